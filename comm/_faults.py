@@ -1,0 +1,110 @@
+"""Fault injection as data: which logical rank fails, where, and how.
+
+A schedule comes from ``ELASTIC_INJECT``: a JSON list (inline or a file path)
+of ``{"rank": 1, "step": 3, "point": "step", "action": "kill", "gen": 0}``, or
+the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
+``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
+``2@c5:hang`` (hang in the middle of step 5's collective), ``3@rebuild/g0``
+(die in the middle of the first rebuild).
+
+Points: ``step`` (``World.fault_point(step)``, called by the user loop),
+``collective`` (inside ``World.allgather`` after the exchange started),
+``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
+agreed, before the communicator is rebuilt). An entry fires only in the
+generation ``gen`` (default 0), so a replacement that replays the same step
+does not die again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+from ._errors import ConfigError, ElasticError
+
+INJECT_ENV = "ELASTIC_INJECT"
+POINTS = ("step", "collective", "agree", "rebuild")
+ACTIONS = ("kill", "raise", "hang")
+
+
+class InjectedFault(ElasticError):
+    """Raised by an injection with action ``raise``: a software fault in user code."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    rank: int
+    step: int | None = None
+    point: str = "step"
+    action: str = "kill"
+    gen: int = 0
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ConfigError(f"fault injection point {self.point!r}: use one of {POINTS}")
+        if self.action not in ACTIONS:
+            raise ConfigError(f"fault injection action {self.action!r}: use one of {ACTIONS}")
+        if self.point in ("step", "collective") and self.step is None:
+            raise ConfigError(f"fault injection at point {self.point!r} needs a step")
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def parse_schedule(text: str | None) -> tuple[Injection, ...]:
+    """Parse ``ELASTIC_INJECT`` (JSON, a JSON file, or the compact form)."""
+    if not text or not text.strip():
+        return ()
+    text = text.strip()
+    if not text.startswith("[") and Path(text).is_file():
+        text = Path(text).read_text()
+    try:
+        if text.startswith("["):
+            return tuple(Injection(**entry) for entry in json.loads(text))
+        return tuple(_parse_compact(item) for item in text.split(",") if item.strip())
+    except (TypeError, ValueError, json.JSONDecodeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(
+            f"cannot parse {INJECT_ENV}={text!r} ({exc}); write e.g. '1@3', '1@3,2@3', "
+            "'2@c5:hang', '3@rebuild/g1' or a JSON list of {rank, step, point, action, gen}") from exc
+
+
+def _parse_compact(item: str) -> Injection:
+    item = item.strip()
+    gen = 0
+    if "/g" in item:
+        item, gen_text = item.split("/g", 1)
+        gen = int(gen_text)
+    action = "kill"
+    if ":" in item:
+        item, action = item.split(":", 1)
+    rank_text, where = item.split("@", 1)
+    if where in ("agree", "rebuild"):
+        return Injection(int(rank_text), None, where, action, gen)
+    if where.startswith("c"):
+        return Injection(int(rank_text), int(where[1:]), "collective", action, gen)
+    return Injection(int(rank_text), int(where), "step", action, gen)
+
+
+class FaultInjector:
+    """Fires the schedule's entries that match this process (local, no communication)."""
+
+    def __init__(self, schedule: tuple[Injection, ...], announce: Callable[[Injection], None]) -> None:
+        self.schedule = schedule
+        self._announce = announce
+
+    def fire(self, point: str, logical_rank: int, generation: int, step: int | None = None) -> None:
+        for entry in self.schedule:
+            if (entry.point == point and entry.rank == logical_rank and entry.gen == generation
+                    and (entry.step is None or entry.step == step)):
+                self._announce(entry)
+                if entry.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif entry.action == "hang":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")

