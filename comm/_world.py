@@ -75,6 +75,8 @@ class World:
         self.last_rebuild: Rebuild | None = None
         self._procs: list[tuple[str, int]] = []
         self._finished = False
+        self._failures_seen = False
+        self._failed = False
         self.events = EventLog(config.run_dir, self._context)
         self._faults = FaultInjector(config.schedule, self._announce_fault)
 
@@ -203,6 +205,7 @@ class World:
         communicator; a failure during the rebuild costs one more round.
         """
         started = time.perf_counter()
+        self._failures_seen = True
         failed: set[int] = set()
         replaced: set[int] = set()
         removed: set[int] = set()
@@ -395,14 +398,24 @@ class World:
         self.events.emit("promoted", logical=self.logical_rank)
 
     # ------------------------------------------------------------------- exit
+    def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        """Record an uncaught error as this process's outcome, then report it as usual."""
+        if not self._finished and not issubclass(kind, SystemExit):
+            self.events.emit("error", kind=kind.__name__, message=str(exc))
+            self.events.write_outcome("error", kind=kind.__name__, message=str(exc))
+            self._finished = True
+            self._failed = True
+        sys.__excepthook__(kind, exc, tb)
+
     def _at_exit(self) -> None:
         """Skip MPI_Finalize once failures happened: it can hang or crash then (ompi #11404)."""
         if not self._finished:
+            self._failed = True
             self.events.write_outcome("exited-without-finish")
-        if self.generation > 0:
+        if self.generation > 0 or self._failures_seen:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0 if self._finished else 1)
+            os._exit(1 if self._failed else 0)
 
 
 def _env_modes(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -456,6 +469,7 @@ def init(*, spares: int | None = None, rebuild: str | Iterable[str] | None = Non
     role = Role.SPARE if table[universe.Get_rank()] == SPARE else Role.INITIAL
     world = World(universe, table, config, 0, role)
     atexit.register(world._at_exit)
+    sys.excepthook = world._excepthook
     with mpi_errors(universe):
         if world._install(universe, table) is None:
             raise ProcessFailure("a process failed while the job started")
@@ -477,6 +491,7 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
                      tuple(Injection(**e) for e in cfg["schedule"]))
     world = World(merged, payload["table"], config, payload["generation"], Role.RECOVERED)
     atexit.register(world._at_exit)
+    sys.excepthook = world._excepthook
     world.events.emit("spawned")
     world._rebuild(merged, payload["table"], install_only=True)
     return world

@@ -1,0 +1,127 @@
+"""Real failures: ranks are SIGKILLed (or SIGSTOPped) under mpiexec --with-ft ulfm and the job must go on.
+
+Each test asserts on the recovered iterate (bitwise equal to a failure-free run),
+on the agreed failed set and rebuild recorded in every survivor's events, and
+on each process's own outcome file.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch
+
+pytestmark = pytest.mark.fault
+
+
+def survivors_agree(job, generation: int) -> dict:
+    """Every process that completed rebuild `generation` recorded the same rebuild; return it."""
+    rebuilt = [e for e in job.of("rebuilt") if e["gen"] == generation]
+    assert rebuilt, f"no process recorded rebuild {generation}:\n{job.output}"
+    keys = {(tuple(e["failed"]), tuple(e["replaced"]), tuple(e["removed"]), e["mode"]) for e in rebuilt}
+    assert len(keys) == 1, f"processes disagree on rebuild {generation}: {keys}"
+    return rebuilt[0]
+
+
+def test_spare_replaces_killed_rank(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--spares", "1", "--rebuild", "spare", "--inject", "1@10")
+    assert job.rc == 0, job.output
+    rebuild = survivors_agree(job, 1)
+    assert (rebuild["mode"], rebuild["failed"], rebuild["replaced"]) == ("spare", [1], [1])
+    assert job.statuses() == ["finished"] * 4 + ["injected-kill"]
+    promoted = job.of("promoted")
+    assert [e["logical"] for e in promoted] == [1]
+    assert job.result["x_sha256"] == reference_hash
+    assert job.result["size"] == 4
+
+
+def test_two_simultaneous_kills_shrink(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "1@10,2@10")
+    assert job.rc == 0, job.output
+    last = max(e["gen"] for e in job.of("rebuilt"))
+    failed = sorted({r for e in job.of("rebuilt") for r in e["failed"]})
+    assert failed == [1, 2]
+    assert survivors_agree(job, last)["mode"] == "shrink"
+    assert job.result["logical_ranks"] == [0, 3]
+    assert job.result["x_sha256"] == reference_hash
+    assert job.statuses() == ["finished"] * 2 + ["injected-kill"] * 2
+
+
+def test_spawn_replaces_killed_rank(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "2@10")
+    assert job.rc == 0, job.output
+    rebuild = survivors_agree(job, 1)
+    assert (rebuild["mode"], rebuild["replaced"]) == ("spawn", [2])
+    spawned = job.of("spawned")
+    assert len(spawned) == 1 and spawned[0]["pid"] not in {e["pid"] for e in job.of("started")}
+    assert job.result["size"] == 4 and job.result["x_sha256"] == reference_hash
+
+
+def test_three_failures_in_sequence_spawn(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@5,2@12/g1,3@20/g2")
+    assert job.rc == 0, job.output
+    for gen, lost in ((1, [1]), (2, [2]), (3, [3])):
+        assert survivors_agree(job, gen)["failed"] == lost
+    assert job.result["generation"] == 3 and job.result["x_sha256"] == reference_hash
+    assert job.statuses().count("injected-kill") == 3
+
+
+def test_repeated_failures_spare_then_shrink(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--spares", "1", "--rebuild", "spare,shrink", "--inject", "0@5,3@12/g1")
+    assert job.rc == 0, job.output
+    assert survivors_agree(job, 1)["mode"] == "spare"   # logical rank 0, the would-be root, is replaced
+    assert survivors_agree(job, 2)["mode"] == "shrink"  # no spare left for the second failure
+    assert job.result["logical_ranks"] == [0, 1, 2]
+    assert job.result["x_sha256"] == reference_hash
+
+
+def test_failure_during_rebuild(tmp_path, reference_hash):
+    # Logical rank 2 dies after the failed set of the first failure is agreed, before the shrink.
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "1@8,2@rebuild")
+    assert job.rc == 0, job.output
+    injected = sorted((e["rank"], e["point"]) for e in job.of("inject"))
+    assert injected == [(1, "step"), (2, "rebuild")]
+    # The survivors agreed on [1] first; the second death was caught inside the same rebuild.
+    assert (1,) in {tuple(e["failed"]) for e in job.of("agreed")}
+    assert survivors_agree(job, 1)["failed"] == [1, 2]
+    assert job.result["logical_ranks"] == [0, 3] and job.result["x_sha256"] == reference_hash
+
+
+def test_kill_in_the_middle_of_a_collective(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "3@c7")
+    assert job.rc == 0, job.output
+    assert [e["point"] for e in job.of("inject")] == ["collective"]
+    assert survivors_agree(job, 1)["failed"] == [3]
+    assert job.result["x_sha256"] == reference_hash
+
+
+def test_hung_rank_is_detected_and_fenced(tmp_path, reference_hash):
+    job = launch(tmp_path, 4, "--detector", "--rebuild", "shrink", "--inject", "2@6:hang")
+    assert job.rc == 0, job.output
+    assert survivors_agree(job, 1)["failed"] == [2]
+    hung_pid = job.of("inject")[0]["pid"]
+    assert hung_pid in {e["pid"] for e in job.of("fenced")}
+    assert job.result["x_sha256"] == reference_hash
+
+
+def test_more_failures_than_allowed_is_a_clear_error(tmp_path):
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--min-size", "3", "--inject", "1@4,2@4")
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 2  # both survivors stop with the same decision
+    assert all("below the minimum of 3" in o["message"] for o in errors)
+    assert not (job.run_dir / "result.json").exists()
+
+
+def test_without_ulfm_the_job_says_what_to_run(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    cmd = [shutil.which("mpiexec"), "-n", "2", "--oversubscribe", sys.executable, "-c",
+           "import elastic; elastic.init()"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "mpiexec was run without `--with-ft ulfm`" in proc.stderr
+    assert "UlfmUnavailable" in proc.stderr

@@ -1,0 +1,92 @@
+"""One-process tests: parsing, validation, error translation, the launcher's decisions."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from elastic import launch
+from elastic.comm import (
+    ConfigError, CurrentRank, Injection, LogicalRank, ProcessFailure, Unrecoverable, parse_schedule,
+)
+from elastic.comm._errors import translate
+from elastic.comm._world import _env_modes
+
+
+def test_compact_schedule():
+    assert parse_schedule("1@3, 2@c5:hang, 3@rebuild/g1, 0@agree:raise") == (
+        Injection(1, 3, "step", "kill", 0),
+        Injection(2, 5, "collective", "hang", 0),
+        Injection(3, None, "rebuild", "kill", 1),
+        Injection(0, None, "agree", "raise", 0),
+    )
+
+
+def test_json_schedule_inline_and_file(tmp_path):
+    text = json.dumps([{"rank": 2, "step": 4, "action": "hang", "gen": 2}])
+    assert parse_schedule(text) == (Injection(2, 4, "step", "hang", 2),)
+    path = tmp_path / "faults.json"
+    path.write_text(text)
+    assert parse_schedule(str(path)) == parse_schedule(text)
+    assert parse_schedule("") == () and parse_schedule(None) == ()
+
+
+@pytest.mark.parametrize("bad", ["1@x", "one@3", "1@3:explode", '[{"rank": 1, "point": "step"}]', "[{}]"])
+def test_bad_schedule_says_how_to_write_one(bad):
+    with pytest.raises(ConfigError, match="use one of|needs a step|write e.g."):
+        parse_schedule(bad)
+
+
+def test_rebuild_modes_are_validated():
+    assert _env_modes("spare, shrink") == ("spare", "shrink")
+    assert _env_modes(["spawn"]) == ("spawn",)
+    with pytest.raises(ConfigError, match="drawn from"):
+        _env_modes("spare,restart")
+    with pytest.raises(ConfigError):
+        _env_modes("")
+
+
+def test_rank_kinds_are_distinct_types():
+    logical, current = LogicalRank(3), CurrentRank(3)
+    assert type(logical) is not type(current)
+    assert repr(logical) == "LogicalRank(3)" and repr(current) == "CurrentRank(3)"
+
+
+def test_mpi_errors_translate_by_recovery_kind():
+    assert isinstance(translate(MPI.Exception(MPI.ERR_PROC_FAILED)), ProcessFailure)
+    assert isinstance(translate(MPI.Exception(MPI.ERR_REVOKED)), ProcessFailure)
+    assert isinstance(translate(MPI.Exception(MPI.ERR_PROC_FAILED_PENDING)), ProcessFailure)
+    assert isinstance(translate(MPI.Exception(MPI.ERR_TRUNCATE)), Unrecoverable)
+
+
+def test_launcher_command_for_this_machine(tmp_path):
+    args = launch.parse_args(["-n", "4", "--spares", "2", "--detector", "--inject", "1@3",
+                              "--run-dir", str(tmp_path), "--", "python", "x.py"])
+    cmd = launch.build_command(args, 6)
+    assert cmd[1:5] == ["--with-ft", "ulfm", "-n", "6"]
+    assert "--oversubscribe" in cmd  # 6 processes on this 2-core machine
+    assert cmd[cmd.index("mpi_ft_detector") + 1] == "true"
+    assert cmd[-2:] == ["python", "x.py"] and "ELASTIC_INJECT" in cmd
+
+
+def _write(run_dir: Path, pid: int, status: str | None) -> None:
+    (run_dir / f"events-h-{pid}.jsonl").write_text("{}\n")
+    if status:
+        (run_dir / f"outcome-h-{pid}.json").write_text(json.dumps({"pid": pid, "status": status}))
+
+
+def test_launcher_decides_from_outcomes_not_exit_status(tmp_path):
+    _write(tmp_path, 1, "finished")
+    _write(tmp_path, 2, "injected-kill")
+    _write(tmp_path, 3, "spare-unused")
+    assert launch.summarize(tmp_path)[0] is True
+    _write(tmp_path, 4, None)  # died without a word: not on purpose
+    ok, _, silent = launch.summarize(tmp_path)
+    assert ok is False and silent == ["4"]
+
+
+def test_launcher_rejects_missing_program():
+    with pytest.raises(SystemExit):
+        launch.parse_args(["-n", "2"])
