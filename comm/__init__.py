@@ -5,7 +5,7 @@ Errors are translated in one place (``ProcessFailure`` means: call
 revokes, agrees on the failed set, and rebuilds by shrink, spare substitution
 or spawn substitution; logical ranks keep their meaning throughout.
 """
-from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable
+from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable, mpi_errors
 from ._events import EventLog, read_events, read_outcomes
 from ._faults import InjectedFault, Injection, parse_schedule
 from ._ranks import CurrentRank, LogicalRank, Role
@@ -16,5 +16,5 @@ __all__ = [
     "init", "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError",
     "InjectedFault", "Injection", "parse_schedule", "check_ulfm", "agree_on_failed",
-    "EventLog", "read_events", "read_outcomes",
+    "EventLog", "read_events", "read_outcomes", "mpi_errors",
 ]

@@ -5,10 +5,12 @@ of ``{"rank": 1, "step": 3, "point": "step", "action": "kill", "gen": 0}``, or
 the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
 ``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
 ``2@c5:hang`` (hang in the middle of step 5's collective), ``3@rebuild/g0``
-(die in the middle of the first rebuild).
+(die in the middle of the first rebuild), ``1@commit4`` (die in the middle
+of the commit of version 4), ``2@restore`` (die while sending recovery data).
 
 Points: ``step`` (``World.fault_point(step)``, called by the user loop),
-``collective`` (inside ``World.allgather`` after the exchange started),
+``collective`` (inside ``World.Allgather`` after the exchange started),
+``commit`` / ``restore`` (inside the replicated store's transfers),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
 agreed, before the communicator is rebuilt). An entry fires only in the
 generation ``gen`` (default 0), so a replacement that replays the same step
@@ -26,7 +28,7 @@ from typing import Callable
 from ._errors import ConfigError, ElasticError
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "agree", "rebuild")
+POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore")
 ACTIONS = ("kill", "raise", "hang")
 
 
@@ -47,7 +49,7 @@ class Injection:
             raise ConfigError(f"fault injection point {self.point!r}: use one of {POINTS}")
         if self.action not in ACTIONS:
             raise ConfigError(f"fault injection action {self.action!r}: use one of {ACTIONS}")
-        if self.point in ("step", "collective") and self.step is None:
+        if self.point in ("step", "collective", "commit") and self.step is None:
             raise ConfigError(f"fault injection at point {self.point!r} needs a step")
 
     def to_dict(self) -> dict[str, object]:
@@ -83,8 +85,10 @@ def _parse_compact(item: str) -> Injection:
     if ":" in item:
         item, action = item.split(":", 1)
     rank_text, where = item.split("@", 1)
-    if where in ("agree", "rebuild"):
+    if where in ("agree", "rebuild", "restore"):
         return Injection(int(rank_text), None, where, action, gen)
+    if where.startswith("commit"):
+        return Injection(int(rank_text), int(where[6:]), "commit", action, gen)
     if where.startswith("c"):
         return Injection(int(rank_text), int(where[1:]), "collective", action, gen)
     return Injection(int(rank_text), int(where), "step", action, gen)

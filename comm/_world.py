@@ -140,10 +140,10 @@ class World:
         """Context manager: MPI errors inside become ``ProcessFailure`` / ``Unrecoverable``."""
         return mpi_errors(self.comm)
 
-    def fault_point(self, step: int) -> None:
-        """Fire the fault schedule's ``step`` entries for this rank (local)."""
+    def fault_point(self, step: int | None, point: str = "step") -> None:
+        """Fire the fault schedule's entries for this rank at ``point`` (local)."""
         if self._faults.schedule and self.logical_rank is not None:
-            self._faults.fire("step", int(self.logical_rank), self.generation, step)
+            self._faults.fire(point, int(self.logical_rank), self.generation, step)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any, step: int | None = None) -> None:
         """Allgather over ``comm`` (collective over the active ranks, blocking).

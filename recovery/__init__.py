@@ -1,9 +1,11 @@
 """elastic.recovery: replicated in-memory state and the recovery policies (built on elastic.comm).
 
-So far: replica placement over failure domains and the balanced recovery plan
-(pure functions). The store that moves the bytes, CheckFree reconstruction and
-the shrink-or-substitute policy are tracked as their own issues.
+``ReplicatedStore`` keeps every rank's state in its peers' memory (two-phase
+commits, checksums, balanced recovery); ``place_replicas`` / ``plan_transfers``
+are its placement and recovery-plan logic. CheckFree reconstruction and the
+shrink-or-substitute policy are tracked as their own issues.
 """
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
+from ._store import DOMAINS_ENV, ReplicatedStore
 
-__all__ = ["Chunk", "DataLost", "place_replicas", "plan_transfers"]
+__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers"]
