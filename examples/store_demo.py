@@ -32,7 +32,8 @@ def main() -> int:
     parser.add_argument("--replication", type=int, default=2)
     parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
     parser.add_argument("--corrupt", type=int, default=None,
-                        help="before version 3, every holder flips a byte in its copy of this logical rank")
+                        help="logical rank 0 flips a byte in each copy it holds of this logical rank's chunks")
+    parser.add_argument("--corrupt-at", type=int, default=5, help="... once it has committed this version")
     args = parser.parse_args()
 
     world = elastic.init()
@@ -57,7 +58,7 @@ def main() -> int:
             if version == args.versions:
                 world.finish()
                 break
-            if args.corrupt is not None and version == 2:
+            if args.corrupt is not None and version == args.corrupt_at and world.logical_rank == 0:
                 store.corrupt_copy_for_test(args.corrupt)
             world.fault_point(version)
             store.commit(state_of(int(world.logical_rank), version + 1, args.floats), version + 1)

@@ -325,16 +325,17 @@ class ReplicatedStore:
     def _chunk_size(self, nbytes: int, c: int) -> int:
         return min(self.chunk_bytes, nbytes - c * self.chunk_bytes)
 
-    def corrupt_copy_for_test(self, owner: int) -> bool:
-        """Flip a byte in a copy this rank holds of ``owner``'s state (for integrity tests). Local."""
+    def corrupt_copy_for_test(self, owner: int) -> int:
+        """Flip a byte in every copy of ``owner``'s chunks held here (integrity tests). Local; returns the count."""
         if self._current is None:
-            return False
+            return 0
+        hit = 0
         for (o, c), data in sorted(self._current.held.items()):
             if o == owner and data.nbytes:
                 self._current.held[(o, c)] = data.copy()
                 self._current.held[(o, c)][0] ^= 0xFF
-                return True
-        return False
+                hit += 1
+        return hit
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
