@@ -415,6 +415,12 @@ class World:
         if self.generation > 0 or self._failures_seen:
             sys.stdout.flush()
             sys.stderr.flush()
+            # Leave together: Open MPI's launcher kills the remaining processes as soon as
+            # one exits without finalizing, even those still busy after finish().
+            try:
+                self.universe.Agree(1)
+            except MPI.Exception:
+                pass  # someone died on the way out; nothing is left to protect
             os._exit(1 if self._failed else 0)
 
 

@@ -56,6 +56,8 @@ def main() -> int:
                     checks.append({"owner": owner, "version": version, "ok": ok})
                     world.events.emit("verified", owner=owner, version=version, ok=ok)
             if version == args.versions:
+                with world.guard():
+                    all_checks = world.comm.gather(checks, root=0)
                 world.finish()
                 break
             if args.corrupt is not None and version == args.corrupt_at and world.logical_rank == 0:
@@ -67,7 +69,6 @@ def main() -> int:
             world.recover()
             needs_recovery = True
 
-    all_checks = world.comm.gather(checks, root=0)
     if world.rank == 0:
         flat = [c for rank_checks in all_checks for c in rank_checks]
         print(f"[store] version {version} on {world.size} ranks (generation {world.generation}); "

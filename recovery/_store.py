@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 import zlib
 from typing import Any, Mapping
 
@@ -72,6 +73,7 @@ class ReplicatedStore:
         self._domains = dict(domains) if domains is not None else None
         self._current: _Version | None = None
         self.bytes_moved = 0  # by this rank in the last commit or recovery
+        self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers), rereplicate
 
     # ------------------------------------------------------------ user calls
     @property
@@ -145,7 +147,9 @@ class ReplicatedStore:
             adopt = {o: survivors[i % len(survivors)] for i, o in enumerate(removed)}
         receiver = {o: (o if o in active else int(adopt[o])) for o in dead}
         mine_before = self._current if me in holders else None
+        t0 = time.perf_counter()
         chunks = self._fetch(version, dead, receiver)
+        t1 = time.perf_counter()
         # What each rank re-commits: what it had, plus what it received.
         contents: dict[int, dict[str, np.ndarray]] = {}
         if mine_before is not None:
@@ -161,6 +165,9 @@ class ReplicatedStore:
         moved = self.bytes_moved
         self._commit(contents, version.number)
         self.bytes_moved += moved
+        self.last_recovery = {"fetch": t1 - t0, "rereplicate": time.perf_counter() - t1}
+        world.events.emit("store_recovered", version=version.number, dead=sorted(dead),
+                          bytes_moved=self.bytes_moved, durations=self.last_recovery)
 
     # -------------------------------------------------------------- internals
     @staticmethod
@@ -185,6 +192,7 @@ class ReplicatedStore:
         me = int(world.logical_rank)
         ranks = [int(r) for r in world.logical_ranks]
         try:
+            t0 = time.perf_counter()
             payload, meta = self._pack(contents)
             bad_input = None
         except ConfigError as exc:  # told to every rank below, so that no rank waits for this one
@@ -209,22 +217,22 @@ class ReplicatedStore:
             for c in range(len(meta.crcs)):
                 for holder in placement[(me, c)][1:]:
                     outgoing.setdefault(holder, []).append(self._chunk(payload, c))
-            received = self._exchange(outgoing, version, point="commit")
-            held: dict[Chunk, np.ndarray] = {}
-            for src, buf in received.items():
-                mine = [c for c in range(len(metas[src].crcs)) if me in placement[(src, c)][1:]]
-                offset = 0
-                for c in mine:
-                    size = self._chunk_size(metas[src].nbytes, c)
-                    held[(src, c)] = buf[offset:offset + size]
-                    offset += size
+            kept = {src: [c for c in range(len(metas[src].crcs)) if me in placement[(src, c)][1:]]
+                    for src in ranks if src != me}
+            incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs] for src, cs in kept.items() if cs}
+            t1 = time.perf_counter()
+            received = self._exchange(outgoing, incoming, version, point="commit")
+            t2 = time.perf_counter()
+            held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
             staged = _Version(version, tuple(ranks), metas, placement, payload, held)
         except ProcessFailure as exc:
             error = exc
         # Phase two: the staged copies become current only if every rank got this far.
         self._vote(error is None)
+        t3 = time.perf_counter()
         self._current = staged
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
+                          durations={"prepare": t1 - t0, "exchange": t2 - t1, "vote": t3 - t2},
                           payload_bytes=int(payload.nbytes), held_chunks=len(held))
 
     def _fetch(self, version: _Version, dead: set[int], receiver: Mapping[int, int]) -> dict[Chunk, np.ndarray]:
@@ -233,6 +241,7 @@ class ReplicatedStore:
         me = int(world.logical_rank)
         bad: dict[Chunk, set[int]] = {}
         got: dict[Chunk, np.ndarray] = {}
+        pending = {chunk for chunk in version.placement if chunk[0] in dead}  # the same on every rank
         while True:
             placement = {chunk: tuple(h for h in holders if h not in bad.get(chunk, ()))
                          for chunk, holders in version.placement.items()}
@@ -241,7 +250,7 @@ class ReplicatedStore:
             except DataLost as exc:
                 world.events.emit("data_lost", lost=exc.lost)
                 raise
-            plan = {chunk: sender for chunk, sender in plan.items() if chunk not in got}
+            plan = {chunk: sender for chunk, sender in plan.items() if chunk in pending}
             outgoing: dict[int, list[np.ndarray]] = {}
             order: dict[int, list[Chunk]] = {}
             for chunk in sorted(plan):
@@ -250,19 +259,17 @@ class ReplicatedStore:
                     outgoing.setdefault(dest, []).append(self._current.held[chunk])
                 if dest == me:
                     order.setdefault(sender, []).append(chunk)
+            incoming = {src: [self._chunk_size(version.metas[o].nbytes, c) for o, c in chunks]
+                        for src, chunks in order.items()}
             try:
-                received = self._exchange(outgoing, version.number, point="restore")
+                received = self._exchange(outgoing, incoming, version.number, point="restore")
                 failed = False
             except ProcessFailure:
                 received, failed = {}, True
             self._vote(not failed)
             corrupt: list[Chunk] = []
             for src, chunks in order.items():
-                offset = 0
-                for chunk in chunks:
-                    size = self._chunk_size(version.metas[chunk[0]].nbytes, chunk[1])
-                    data = received[src][offset:offset + size]
-                    offset += size
+                for chunk, data in zip(chunks, received[src]):
                     if zlib.crc32(data) == version.metas[chunk[0]].crcs[chunk[1]]:
                         got[chunk] = data
                     else:
@@ -274,9 +281,11 @@ class ReplicatedStore:
                 world.events.emit("restored", chunks=len(got), bytes_in=int(sum(c.nbytes for c in got.values())),
                                   bytes_out=self.bytes_moved)
                 return got
-            for report in reports:
+            pending = set()
+            for report in reports:  # fetch corrupted chunks again, from another holder
                 for chunk, holder in report:
                     bad.setdefault(tuple(chunk), set()).add(holder)
+                    pending.add(tuple(chunk))
 
     def _vote(self, ok: bool) -> None:
         """Uniform decision over the active ranks: returns on all or raises ProcessFailure on all."""
@@ -284,26 +293,36 @@ class ReplicatedStore:
             if not self.world.comm.Agree(int(ok)):
                 raise ProcessFailure("a rank could not finish its part of the transfer")
 
-    def _exchange(self, outgoing: Mapping[int, list[np.ndarray]], step: int, point: str) -> dict[int, np.ndarray]:
-        """Alltoallv of byte chunks keyed by logical rank (collective over the active ranks)."""
+    def _exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[int]],
+                  step: int, point: str) -> dict[int, list[np.ndarray]]:
+        """Send chunks to peers and receive chunks of known sizes, keyed by logical rank.
+
+        Collective over the active ranks (one Alltoallv): a failure surfaces on
+        every rank instead of leaving a rank waiting on a peer's message.
+        """
         world = self.world
         comm = world.comm
         ranks = [int(r) for r in world.logical_ranks]
         send_counts = [sum(c.nbytes for c in outgoing.get(r, [])) for r in ranks]
+        expected = [sum(incoming.get(r, [])) for r in ranks]
         with mpi_errors(comm):
             recv_counts = comm.alltoall(send_counts)
+            if recv_counts != expected:  # a planning bug, never silently mis-sliced data
+                raise RuntimeError(f"store transfer plan differs across ranks: expected {expected} bytes "
+                                   f"from ranks {ranks}, peers announced {recv_counts}")
             sendbuf = np.concatenate([c for r in ranks for c in outgoing.get(r, [])]) \
                 if sum(send_counts) else np.empty(0, np.uint8)
             recvbuf = np.empty(sum(recv_counts), np.uint8)
             world.fault_point(step if point == "commit" else None, point)
             comm.Alltoallv([sendbuf, (send_counts, None), MPI.BYTE], [recvbuf, (recv_counts, None), MPI.BYTE])
         self.bytes_moved = sum(send_counts)
-        out, offset = {}, 0
-        for r, count in zip(ranks, recv_counts):
-            if count:
-                out[r] = recvbuf[offset:offset + count]
-            offset += count
-        return out
+        received: dict[int, list[np.ndarray]] = {}
+        offset = 0
+        for r in ranks:
+            for size in incoming.get(r, []):
+                received.setdefault(r, []).append(recvbuf[offset:offset + size])
+                offset += size
+        return received
 
     def _pack(self, contents: Mapping[int, Mapping[str, Any]]) -> tuple[np.ndarray, _Meta]:
         fields, parts, offset = [], [], 0
