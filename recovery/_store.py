@@ -14,6 +14,7 @@ sits beside the current one, so at most ``2 x replication`` x state.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 import zlib
@@ -178,7 +179,6 @@ class ReplicatedStore:
     def _domain_map(self, ranks: list[int]) -> dict[int, str]:
         if self._domains is not None:
             return {r: self._domains[r] for r in ranks}
-        import os
         text = os.environ.get(DOMAINS_ENV)
         if text:
             names = text.split(",")
