@@ -412,7 +412,7 @@ class World:
         if not self._finished:
             self._failed = True
             self.events.write_outcome("exited-without-finish")
-        if self.generation > 0 or self._failures_seen:
+        if self._failures_seen:  # set by every rebuild, a spawned process's first one included
             sys.stdout.flush()
             sys.stderr.flush()
             # Leave together: Open MPI's launcher kills the remaining processes as soon as

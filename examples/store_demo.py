@@ -44,7 +44,7 @@ def main() -> int:
     while True:
         try:
             if needs_recovery:
-                store.recover(world.last_rebuild)
+                store.recover()
                 needs_recovery = False
                 version = store.version
                 for owner in store.owners_here():

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 from mpi4py import MPI
 
-from elastic.comm import ConfigError, ProcessFailure, Rebuild, World, mpi_errors
+from elastic.comm import ConfigError, ProcessFailure, World, mpi_errors
 
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 
@@ -101,8 +101,7 @@ class ReplicatedStore:
         if self._current is None:
             raise ConfigError("nothing committed yet: call commit() before restore()")
         meta = self._current.metas[int(self.world.logical_rank)]
-        out = {f.name: self._current.payload[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape).copy()
-               for f in meta.fields if f.owner == owner}
+        out = {name: array.copy() for name, array in self._fields_of(self._current.payload, meta, owner).items()}
         if not out:
             raise KeyError(f"logical rank {owner}'s state is not held here")
         return out
@@ -113,10 +112,12 @@ class ReplicatedStore:
             return []
         return sorted({f.owner for f in self._current.metas[int(self.world.logical_rank)].fields})
 
-    def recover(self, rebuild: Rebuild, adopt: Mapping[int, int] | None = None) -> None:
+    def recover(self, adopt: Mapping[int, int] | None = None) -> None:
         """Bring the dead ranks' state back from peers' memory (collective over the new active ranks).
 
-        Call right after ``World.recover()``. A replacement (spare or spawned)
+        Call right after ``World.recover()``; who needs what is derived from
+        which ranks still hold the agreed version, so a recovery interrupted by
+        another failure is simply called again. A replacement (spare or spawned)
         receives its logical rank's state; after a shrink, the state of each
         removed logical rank goes to ``adopt[removed] -> surviving logical rank``
         (default: round-robin over the survivors). Corrupted copies are detected

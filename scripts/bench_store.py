@@ -89,7 +89,7 @@ def worker(mb: int) -> int:
     comm = world.comm
     comm.Barrier()
     t = time.perf_counter()
-    store.recover(world.last_rebuild)
+    store.recover()
     restore_s = time.perf_counter() - t
     restore_max = comm.allreduce(restore_s, op=MPI.MAX)
     fetch_max = comm.allreduce(store.last_recovery["fetch"], op=MPI.MAX)
