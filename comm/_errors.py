@@ -40,13 +40,14 @@ def translate(exc: MPI.Exception, comm: MPI.Comm | None = None) -> ElasticError:
     """Map an mpi4py error to the project's exception (local, no communication).
 
     ULFM sometimes reports a dead peer inside a collective as ERR_OTHER (seen
-    with Open MPI 5 barriers); when ``comm`` already knows of a failed process
-    such an error is treated as a process failure too.
+    with Open MPI 5 barriers), and ``Waitall`` over requests one of which met
+    the failure as ERR_IN_STATUS; when ``comm`` already knows of a failed
+    process (or is revoked) such an error is treated as a process failure too.
     """
     cls = exc.Get_error_class()
     if cls in _FAILURE_CLASSES:
         return ProcessFailure(f"MPI reported a process failure: {exc.Get_error_string()}", cls)
-    if comm is not None and cls == MPI.ERR_OTHER:
+    if comm is not None and cls in (MPI.ERR_OTHER, MPI.ERR_IN_STATUS):
         try:
             if comm.Is_revoked() or comm.Get_failed().Get_size() > 0:
                 return ProcessFailure(f"MPI error with a failed peer: {exc.Get_error_string()}", cls)

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from mpi4py import MPI
 
@@ -35,6 +35,9 @@ REBUILD_ENV = "ELASTIC_REBUILD"
 MIN_SIZE_ENV = "ELASTIC_MIN_SIZE"
 MODES = ("spare", "spawn", "shrink")
 SPARE = -1  # membership-table entry of a parked spare
+
+# decide(lost, spares, active, outlook) -> (modes to apply in order, reason); see elastic.recovery.Policy.
+Decide = Callable[[int, int, int, Mapping[str, float]], "tuple[tuple[str, ...], str]"]
 _TAG_RELEASE = 7701
 
 
@@ -59,6 +62,7 @@ class _Config:
     initial_size: int
     run_dir: str | None
     schedule: tuple[Injection, ...]
+    decide: Decide | None = None
 
 
 class World:
@@ -73,6 +77,8 @@ class World:
         self.generation = generation
         self.role = role
         self.last_rebuild: Rebuild | None = None
+        # The loop's view ahead ("step_seconds", "remaining_steps"), read by a cost-based decide.
+        self.outlook: dict[str, float] = {}
         self._procs: list[tuple[str, int]] = []
         self._finished = False
         self._failures_seen = False
@@ -287,7 +293,8 @@ class World:
         todo = list(lost)
         used: list[str] = []
         filled: set[int] = set()
-        for mode in self._config.modes:
+        modes = self._decide(universe, table, len(lost)) if lost else ()
+        for mode in modes:
             if not todo:
                 break
             if mode == "spare":
@@ -319,6 +326,22 @@ class World:
             raise Unrecoverable("every active rank died; nothing is left to continue from")
         return universe, table, used, filled
 
+    def _decide(self, universe: MPI.Intracomm, table: list[int], lost: int) -> tuple[str, ...]:
+        """The modes for this rebuild (collective over ``universe``): the configured order, or
+        the ``decide`` callable's answer on universe rank 0, broadcast so every process agrees."""
+        decide = self._config.decide
+        if decide is None:
+            return self._config.modes
+        answer = None
+        if universe.Get_rank() == 0:
+            spares = sum(1 for e in table if e == SPARE)
+            answer = decide(lost, spares, len(table) - spares, dict(self.outlook))
+        modes, reason = universe.bcast(answer, root=0)
+        self.events.emit("decision", modes=modes, reason=reason, lost=lost)
+        if not modes:
+            raise Unrecoverable(f"cannot rebuild: {reason}")
+        return tuple(modes)
+
     def _spawn(self, universe: MPI.Intracomm, table: list[int],
                logical: list[int]) -> tuple[MPI.Intracomm, list[int]]:
         """Start one new process per lost logical rank and merge it in (collective over ``universe``)."""
@@ -329,8 +352,7 @@ class World:
             merged = inter.Merge(high=False)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             new_table = table + list(logical)  # children come after the parents (high=True on their side)
-            merged.bcast({"table": new_table, "generation": self.generation,
-                          "config": dataclasses.asdict(self._config)}, root=0)
+            merged.bcast({"table": new_table, "generation": self.generation, "config": self._config}, root=0)
         except MPI.Exception as exc:
             raise Unrecoverable(f"spawning replacements for logical ranks {logical} failed: {exc}; "
                                 f"use spares or shrink instead ({REBUILD_ENV})") from exc
@@ -436,7 +458,7 @@ def _env_modes(value: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def init(*, spares: int | None = None, rebuild: str | Iterable[str] | None = None, min_size: int | None = None,
-         run_dir: str | None = None, inject: str | None = None) -> World:
+         run_dir: str | None = None, inject: str | None = None, decide: Decide | None = None) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
@@ -447,6 +469,8 @@ def init(*, spares: int | None = None, rebuild: str | Iterable[str] | None = Non
         min_size: fewest active ranks to continue with (default ``ELASTIC_MIN_SIZE`` or 1).
         run_dir: where JSON-line events and outcome files go (default ``ELASTIC_RUN_DIR``; none: off).
         inject: a fault schedule (default ``ELASTIC_INJECT``), see ``elastic.comm`` faults.
+        decide: chooses the modes of each rebuild instead of the fixed order
+            (e.g. ``elastic.recovery.Policy``); must pickle, spawned processes get it too.
 
     Returns the World on an active rank. A spare returns only once promoted
     (role RECOVERED), or exits when the job finishes without needing it. A
@@ -470,7 +494,7 @@ def init(*, spares: int | None = None, rebuild: str | Iterable[str] | None = Non
     if min_size < 1:
         raise ConfigError(f"min_size={min_size}: must be at least 1")
     config = _Config(_env_modes(rebuild), min_size, n - spares, run_dir or os.environ.get(RUN_DIR_ENV),
-                     parse_schedule(os.environ.get(INJECT_ENV) if inject is None else inject))
+                     parse_schedule(os.environ.get(INJECT_ENV) if inject is None else inject), decide)
     table = [r if r < n - spares else SPARE for r in range(n)]
     role = Role.SPARE if table[universe.Get_rank()] == SPARE else Role.INITIAL
     world = World(universe, table, config, 0, role)
@@ -492,10 +516,7 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
         merged = parent.Merge(high=True)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         payload = merged.bcast(None, root=0)
-    cfg = payload["config"]
-    config = _Config(tuple(cfg["modes"]), cfg["min_size"], cfg["initial_size"], cfg["run_dir"],
-                     tuple(Injection(**e) for e in cfg["schedule"]))
-    world = World(merged, payload["table"], config, payload["generation"], Role.RECOVERED)
+    world = World(merged, payload["table"], payload["config"], payload["generation"], Role.RECOVERED)
     atexit.register(world._at_exit)
     sys.excepthook = world._excepthook
     world.events.emit("spawned")

@@ -1,22 +1,32 @@
-"""ulfm-elastic: MPI jobs that lose processes and keep going.
+"""ulfm-elastic: MPI training that loses processes and keeps going.
 
-    world = elastic.init()                 # a spare waits here until needed
-    while step < n:
-        try:
-            world.fault_point(step)        # injected faults, if a schedule is set
-            ... compute on world.comm inside `with world.guard():` ...
-        except elastic.ProcessFailure:
-            world.recover()                # every survivor; then resync state
-    world.finish()
+    world = elastic.init()                              # a spare waits here until needed
+    state = elastic.TorchState(world, model=model, optimizer=opt, step=0)
+
+    @elastic.run                                        # save / restore / sync / reset
+    def train(world, state):
+        while state.step < steps:
+            ... loss on this rank's share of batches.shard(state.step, world) ...
+            elastic.allreduce_gradients(world, model)
+            opt.step(); state.step += 1
+            if state.step % 10 == 0:
+                state.commit()                          # replicated in peers' memory
+
+    train(world, state)
 """
 from elastic.comm import (
     ConfigError, CurrentRank, ElasticError, LogicalRank, ProcessFailure, Rebuild, Role, UlfmUnavailable,
-    Unrecoverable, World, init,
+    Unrecoverable, World,
 )
+from elastic.recovery import DataLost, Policy
+
+from ._loop import GlobalBatches, allreduce_gradients, init, micro_batches, run
+from ._state import State, TorchState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
-    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError",
+    "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy",
+    "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
+    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost",
 ]

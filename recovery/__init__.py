@@ -2,10 +2,12 @@
 
 ``ReplicatedStore`` keeps every rank's state in its peers' memory (two-phase
 commits, checksums, balanced recovery); ``place_replicas`` / ``plan_transfers``
-are its placement and recovery-plan logic. CheckFree reconstruction and the
-shrink-or-substitute policy are tracked as their own issues.
+are its placement and recovery-plan logic; ``Policy`` decides, at each rebuild,
+between a spare, a spawned process and shrinking. CheckFree reconstruction is
+tracked as its own issue.
 """
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
+from ._policy import Policy
 from ._store import DOMAINS_ENV, ReplicatedStore
 
-__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers"]
+__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy"]

@@ -1,0 +1,166 @@
+"""The loop users write against: init, run (save / restore / sync / reset), gradient all-reduce, batches."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Iterable, TypeVar
+
+import numpy as np
+
+from elastic.comm import ConfigError, ProcessFailure, Role, Unrecoverable, World, init as _comm_init
+from elastic.comm._world import MIN_SIZE_ENV, REBUILD_ENV
+from elastic.recovery import Policy
+
+from ._state import State
+
+MAX_FAILURES_ENV = "ELASTIC_MAX_FAILURES"
+T = TypeVar("T")
+
+
+def init(*, spares: int | None = None, policy: Policy | None = None, run_dir: str | None = None,
+         inject: str | None = None) -> World:
+    """Join the resilient world (collective over every process of the job, blocking).
+
+    Args:
+        spares: processes that park as hot spares (default ``ELASTIC_SPARES`` or 0).
+        policy: how lost ranks are filled (default: ``Policy`` with the modes of
+            ``ELASTIC_REBUILD`` or spare,shrink and ``min_size`` from ``ELASTIC_MIN_SIZE``).
+        run_dir: where JSON-line events go (default ``ELASTIC_RUN_DIR``).
+        inject: a fault schedule (default ``ELASTIC_INJECT``).
+
+    A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
+    """
+    if policy is None:
+        policy = Policy(modes=os.environ.get(REBUILD_ENV, "spare,shrink"),
+                        min_size=int(os.environ.get(MIN_SIZE_ENV, "1")))
+    return _comm_init(spares=spares, rebuild=policy.modes, min_size=policy.min_size, run_dir=run_dir,
+                      inject=inject, decide=policy)
+
+
+def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None) -> Any:
+    """Decorate ``func(world, state, ...)`` so that it survives the loss of ranks.
+
+    The contract, on every active rank: *sync* (everyone starts from the same
+    committed state), call ``func``; on ``ProcessFailure`` *reset* (rebuild the
+    world), *restore* (lost state from peers' memory, everyone rolls back to the
+    last commit), *sync* again and call ``func`` once more, so ``func`` must
+    resume from what ``state`` holds. When ``func`` returns, a final commit and
+    ``world.finish()``. A promoted spare or a spawned process joins at *restore*.
+
+    Args:
+        max_failures: failures in a row without a successful commit before giving up
+            (default ``ELASTIC_MAX_FAILURES`` or 3).
+
+    Raises:
+        Unrecoverable: more failures than the policy or ``max_failures`` allow; the
+            store's ``DataLost`` when every copy of some state died.
+    """
+    if func is None:
+        return functools.partial(run, max_failures=max_failures)
+    limit = int(os.environ.get(MAX_FAILURES_ENV, "3")) if max_failures is None else max_failures
+    if limit < 0:
+        raise ConfigError(f"max_failures={limit}: must be >= 0")
+
+    @functools.wraps(func)
+    def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
+        reset = world.role is Role.RECOVERED
+        failures, committed_at_failure = 0, state.version
+        while True:
+            try:
+                if reset:
+                    state._recover()
+                    reset = False
+                state.sync()
+                if failures:
+                    world.events.emit("resumed", version=state.version, failures=failures)
+                result = func(world, state, *args, **kwargs)
+                state.commit()
+                world.finish()
+                return result
+            except ProcessFailure as exc:
+                failures = failures + 1 if state.version == committed_at_failure else 1
+                committed_at_failure = state.version
+                if failures > limit:
+                    raise Unrecoverable(f"{failures} failures in a row without a successful commit "
+                                        f"(max_failures={limit}); last error: {exc}") from exc
+                world.recover()
+                reset = True
+
+    return wrapper
+
+
+def allreduce_gradients(world: World, model: Any, bucket_bytes: int = 4 << 20, step: int | None = None) -> None:
+    """Sum every parameter's gradient over the active ranks (collective, blocking).
+
+    Gradients are packed into buckets of about ``bucket_bytes`` and reduced
+    with one non-blocking all-reduce per bucket, all in flight together.
+    Losses should be scaled by the global batch size, so that the sum is the
+    global mean whatever the number of ranks. ``step`` lets an injected
+    ``collective`` fault fire while the reduction is in flight.
+    """
+    import torch
+    from mpi4py import MPI
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: list[list[Any]] = [[]]
+    size = 0
+    for p in params:
+        if buckets[-1] and size + p.grad.nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.grad.nbytes
+    flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets if bucket]
+    with world.guard():
+        requests = [world.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM) for flat in flats]
+        world.fault_point(step, "collective")
+        MPI.Request.Waitall(requests)
+    for bucket, flat in zip(buckets, flats):
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+
+
+class GlobalBatches:
+    """A deterministic sequence of global batches, the same whatever the number of ranks.
+
+    Step ``s`` takes the samples at positions ``[s*B, (s+1)*B)`` of an endless
+    walk through the data set, each epoch in the order of a permutation seeded
+    by ``(seed, epoch)``. A rank's share is its slice of the global batch
+    among the ranks of the current world, so after a shrink the global batch
+    and its order stay as they were; only the per-rank share grows.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0) -> None:
+        if not 0 < batch_size <= num_samples:
+            raise ConfigError(f"batch_size={batch_size} with {num_samples} samples: need 0 < batch_size <= samples")
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+
+    def batch(self, step: int) -> np.ndarray:
+        """The sample indices of global batch ``step`` (local)."""
+        start = step * self.batch_size
+        out: list[np.ndarray] = []
+        while sum(map(len, out)) < self.batch_size:
+            epoch, offset = divmod(start, self.num_samples)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            take = order[offset:offset + self.batch_size - sum(map(len, out))]
+            out.append(take)
+            start += len(take)
+        return np.concatenate(out)
+
+    def shard(self, step: int, world: World) -> np.ndarray:
+        """This rank's part of global batch ``step`` (local; uneven when the size does not divide)."""
+        return np.array_split(self.batch(step), world.size)[world.rank]
+
+
+def micro_batches(indices: np.ndarray, max_size: int | None) -> Iterable[np.ndarray]:
+    """Cut a rank's share into pieces of at most ``max_size`` for gradient accumulation (local)."""
+    if not max_size or len(indices) <= max_size:
+        yield indices
+        return
+    for start in range(0, len(indices), max_size):
+        yield indices[start:start + max_size]

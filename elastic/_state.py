@@ -1,0 +1,323 @@
+"""State that rolls back together: named values, committed to peers' memory, restored after a failure.
+
+``State`` holds plain values (numbers, numpy arrays, torch tensors) by name;
+``TorchState`` adds a model, an optimizer and the RNG states. ``commit()``
+replicates through ``elastic.recovery.ReplicatedStore``; ``restore()`` rolls
+back to the last commit. ``elastic.run`` calls the rest (``_recover``, ``sync``).
+"""
+from __future__ import annotations
+
+import pickle
+import random
+import time
+import zlib
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from elastic.comm import ConfigError, World, mpi_errors
+from elastic.recovery import ReplicatedStore
+
+_PY_SCALARS = (bool, int, float, complex)
+PROGRESS_EVERY = 10  # steps between progress lines on rank 0
+
+
+def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
+    """A state value as an array and the kind to give back on restore (local).
+
+    Raises:
+        ConfigError: the value is not a number, a numpy array or a torch tensor.
+    """
+    if isinstance(value, _PY_SCALARS) or isinstance(value, np.generic):
+        return np.asarray(value), "python" if isinstance(value, _PY_SCALARS) else "numpy"
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return value, "numpy"
+    if _is_tensor(value):
+        return _tensor_array(value), f"torch:{str(value.dtype).removeprefix('torch.')}"
+    raise ConfigError(f"state value {name!r} is a {type(value).__name__}: a State holds numbers, numpy arrays "
+                      "and torch tensors; convert it (np.asarray(...)) or keep it outside the State")
+
+
+def from_array(array: np.ndarray, kind: str) -> Any:
+    """The inverse of ``to_array`` (local)."""
+    if kind == "python":
+        return array.item()
+    if kind.startswith("torch:"):
+        import torch
+        tensor = torch.from_numpy(np.array(array))
+        dtype = getattr(torch, kind[6:])
+        return tensor.view(dtype) if tensor.dtype != dtype else tensor
+    return array
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def _tensor_array(tensor: Any) -> np.ndarray:
+    """A CPU view of a tensor's bytes (no copy for contiguous CPU tensors; bfloat16 travels as int16)."""
+    import torch
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
+
+
+class State:
+    """Named values that are committed and rolled back together. Create on every active rank.
+
+    Values are reached as attributes (``state.step += 1``) or items
+    (``state["adam.3.m"]``). Every value must be equal on all ranks at commit
+    time, unless its name, or the part before its first dot, is in ``local``:
+    a rank's RNG state or its optimizer shard, for example.
+
+    Args:
+        world: from ``elastic.init()``.
+        replication: copies of each rank's committed state (2 survives any one failure).
+        local: names (or first dotted parts) of values that may differ across ranks.
+        chunk_bytes: the store's replication unit.
+    """
+
+    def __init__(self, world: World, *, replication: int = 2, local: tuple[str, ...] = (),
+                 chunk_bytes: int = 1 << 20, **values: Any) -> None:
+        self._world = world
+        self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
+        self._local = frozenset(local)
+        self._values: dict[str, Any] = {}
+        self._kinds: dict[str, str] = {}
+        self._clock: float | None = None
+        for name, value in values.items():
+            self[name] = value
+
+    # ------------------------------------------------------------ values
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._kinds[name] = to_array(name, value)[1]
+        self._values[name] = value
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __delitem__(self, name: str) -> None:
+        del self._values[name], self._kinds[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def names(self) -> Iterator[str]:
+        return iter(sorted(self._values))
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"{type(self).__name__} has no value {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or hasattr(type(self), name):
+            object.__setattr__(self, name, value)  # the class's own attributes
+        else:
+            self[name] = value
+
+    @property
+    def world(self) -> World:
+        return self._world
+
+    @property
+    def version(self) -> int | None:
+        """The last agreed commit (None before the first)."""
+        return self._store.version
+
+    # ---------------------------------------------------- the save / restore contract
+    def commit(self) -> None:
+        """Replicate the current values as a new version (collective over the active ranks).
+
+        Raises:
+            ConfigError: a value that must be equal differs across ranks, or cannot be stored;
+                nothing is replaced, the last version stays current on every rank.
+            ProcessFailure: a rank died; the last version stays current everywhere.
+        """
+        arrays = self._capture()
+        self._check_shared(arrays)
+        self._store.commit(arrays, 0 if self.version is None else self.version + 1)
+
+    def restore(self) -> None:
+        """Roll every value back to the last agreed version (local)."""
+        if self.version is None:
+            raise ConfigError("nothing committed yet: elastic.run commits once before calling your function")
+        merged: dict[str, np.ndarray] = {}
+        for owner in self._store.owners_here():  # own values win over adopted ones of the same name
+            if owner != int(self._world.logical_rank):
+                merged.update(self._store.restore_owner(owner))
+        merged.update(self._store.restore())
+        self._apply(merged)
+
+    def sync(self) -> None:
+        """Make every rank start from the same state (collective over the active ranks).
+
+        The first time: every value that must be equal is taken from the
+        first surviving rank, then committed as version 0. After a recovery:
+        checks that every rank restored the same version.
+        """
+        world = self._world
+        with mpi_errors(world.comm):
+            versions = world.comm.allgather(self.version)
+            if len(set(versions)) != 1:
+                raise ConfigError(f"ranks restored different versions {versions}: the store's agreement broke")
+            if versions[0] is None:
+                shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
+                self._apply(world.comm.bcast(shared, root=world.first_survivor))
+        if versions[0] is None:
+            self.commit()
+        self._clock = time.perf_counter()
+
+    def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
+        """Note that a training step finished (local): an event on rank 0, a progress line, the outlook.
+
+        The step's duration counts from the previous step or from the end of the last
+        recovery, so that recovery time is not mistaken for training time.
+        """
+        now = time.perf_counter()
+        seconds = now - self._clock if self._clock is not None else 0.0
+        self._clock = now
+        world = self._world
+        outlook = world.outlook
+        outlook["step_seconds"] = seconds if "step_seconds" not in outlook else \
+            0.8 * outlook["step_seconds"] + 0.2 * seconds
+        if total is not None:
+            outlook["remaining_steps"] = max(total - step, 0)
+        if world.rank == 0:
+            world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
+            if step % PROGRESS_EVERY == 0 or step == total:
+                of = f"/{total}" if total else ""
+                shown = f" loss {loss:.5f}" if loss is not None else ""
+                print(f"[train] step {step}{of}{shown}  {1 / max(outlook['step_seconds'], 1e-9):.1f} steps/s  "
+                      f"{world.size} ranks  generation {world.generation}", flush=True)
+
+    # ------------------------------------------------------------ internals
+    def _recover(self) -> None:
+        """After ``World.recover()``: get lost state back from peers and roll back (collective)."""
+        t0 = time.perf_counter()
+        try:
+            self._store.recover()
+        except ConfigError:
+            if self.version is not None:
+                raise
+            return  # no version was ever committed: sync() starts over from the first survivor
+        self.restore()
+        self._world.events.emit("state_restored", version=self.version, seconds=time.perf_counter() - t0,
+                                bytes_moved=self._store.bytes_moved)
+
+    def _is_local(self, name: str) -> bool:
+        return name in self._local or name.split(".", 1)[0] in self._local
+
+    def _capture(self) -> dict[str, np.ndarray]:
+        return {name: to_array(name, value)[0] for name, value in self._values.items()}
+
+    def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
+        for name, array in arrays.items():
+            self._values[name] = from_array(array, self._kinds.setdefault(name, "numpy"))
+
+    def _check_shared(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Raise the same ConfigError on every rank when a value that must be equal differs (collective)."""
+        world = self._world
+        sums = {name: (a.dtype.str, a.shape, zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+                for name, a in arrays.items() if not self._is_local(name)}
+        with mpi_errors(world.comm):
+            everyone = world.comm.allgather(sums)
+        ranks = [int(r) for r in world.logical_ranks]
+        bad: dict[str, list[int]] = {}
+        for name in sorted(set().union(*everyone)):
+            first = everyone[0].get(name)
+            for rank, sums_of in zip(ranks, everyone):
+                if sums_of.get(name) != first:
+                    bad.setdefault(name, []).append(rank)
+        if bad:
+            listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
+                               for n, r in list(bad.items())[:5])
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise ConfigError(f"commit rejected, the last version is kept: state that must be equal across "
+                              f"ranks differs: {listed}{more}. Keep replicas in step (same seed, same all-reduced "
+                              "gradients), or name per-rank values in local=(...)")
+
+
+class TorchState(State):
+    """A torch model, its optimizer, the RNG states and any scalars, committed together.
+
+    Model parameters and buffers (``model.*``) and, unless ``shard_optimizer``,
+    the optimizer state (``optim.*``) must be equal on every rank (data
+    parallel); the RNG states (``rng.*``: torch, numpy, python) are per rank.
+    Data-loader position is a scalar such as ``step`` (see ``GlobalBatches``).
+    """
+
+    def __init__(self, world: World, *, model: Any = None, optimizer: Any = None, shard_optimizer: bool = False,
+                 replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
+                 **values: Any) -> None:
+        local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
+        self._model = model
+        self._optimizer = optimizer
+        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, **values)
+
+    def _capture(self) -> dict[str, np.ndarray]:
+        import torch
+        arrays = super()._capture()
+        if self._model is not None:
+            for key, tensor in self._model.state_dict().items():
+                arrays[f"model.{key}"] = _tensor_array(tensor)
+        if self._optimizer is not None:
+            tensors: dict[str, Any] = {}
+            skeleton = _strip_tensors(self._optimizer.state_dict(), "", tensors)
+            arrays["optim.meta"] = _pickled(skeleton)
+            for path, tensor in tensors.items():
+                arrays[f"optim.{path}"] = _tensor_array(tensor)
+        arrays["rng.torch"] = torch.get_rng_state().numpy()
+        arrays["rng.numpy"] = _pickled(np.random.get_state())
+        arrays["rng.python"] = _pickled(random.getstate())
+        return arrays
+
+    def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
+        import torch
+        plain = {k: v for k, v in arrays.items() if k.split(".", 1)[0] not in ("model", "optim", "rng")}
+        super()._apply(plain)
+        if self._model is not None:
+            current = self._model.state_dict()
+            self._model.load_state_dict({key: from_array(arrays[f"model.{key}"], f"torch:{str(t.dtype)[6:]}")
+                                         for key, t in current.items()})
+        if self._optimizer is not None and "optim.meta" in arrays:
+            skeleton = pickle.loads(arrays["optim.meta"].tobytes())
+            self._optimizer.load_state_dict(_fill_tensors(skeleton, arrays))
+        if "rng.torch" in arrays:
+            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"])))
+            np.random.set_state(pickle.loads(arrays["rng.numpy"].tobytes()))
+            random.setstate(pickle.loads(arrays["rng.python"].tobytes()))
+
+
+class _TensorRef:
+    """Where a tensor stood in an optimizer's state_dict, and its dtype."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        self.path, self.dtype = path, dtype
+
+
+def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
+    if _is_tensor(obj):
+        out[path] = obj
+        return _TensorRef(path, str(obj.dtype)[6:])
+    if isinstance(obj, dict):
+        return {k: _strip_tensors(v, f"{path}.{k}" if path else str(k), out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip_tensors(v, f"{path}.{i}" if path else str(i), out) for i, v in enumerate(obj))
+    return obj
+
+
+def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    if isinstance(obj, _TensorRef):
+        return from_array(arrays[f"optim.{obj.path}"], f"torch:{obj.dtype}")
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, arrays) for v in obj)
+    return obj
+
+
+def _pickled(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=4), dtype=np.uint8)

@@ -1,0 +1,141 @@
+"""Data-parallel torch training that survives the loss of ranks.
+
+A small MLP with dropout learns a fixed random "teacher" network on synthetic
+data. Every rank holds the whole model; each step, the global batch (the same
+sequence whatever the world size, see ``elastic.GlobalBatches``) is split over
+the active ranks, gradients are summed with a bucketed all-reduce and every
+rank takes the same Adam step. The state (model, optimizer, RNGs, step) is
+committed to peers' memory every ``--commit-every`` steps.
+
+    python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/train.py
+
+With a spare or a spawned replacement the final model and optimizer are
+bitwise those of a failure-free run. After a shrink the same global batches
+are used, but not bitwise the same arithmetic: the all-reduce sums over fewer
+ranks in another order (float addition is not associative), and dropout
+masks come from per-rank random streams that now cover other samples. With
+``--dropout 0`` only the rounding differs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import elastic
+
+
+def make_data(samples: int, features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=gen)
+    teacher = torch.nn.Sequential(torch.nn.Linear(features, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        y = teacher(x) + 0.05 * torch.randn(samples, 1, generator=gen)
+    return x, y
+
+
+def digest(state_dict: dict) -> str:
+    """sha256 over every tensor of a (possibly nested) state dict, in key order."""
+    h = hashlib.sha256()
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            h.update(obj.detach().contiguous().numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                h.update(str(k).encode())
+                walk(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        else:
+            h.update(repr(obj).encode())
+    walk(state_dict)
+    return h.hexdigest()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=64, help="global batch, kept after a shrink")
+    parser.add_argument("--micro-batch", type=int, default=None, help="gradient accumulation piece per rank")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--commit-every", type=int, default=5)
+    parser.add_argument("--replication", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--diverge-at", type=int, default=None,
+                        help="bad input: logical rank 2 perturbs its weights at this step (commit must refuse)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # ranks share the cores; one thread each also keeps kernels deterministic
+
+    # Everything that needs no communication comes before init(), so that a parked spare is ready to go.
+    x, y = make_data(args.samples, args.features, args.seed)
+    torch.manual_seed(args.seed)  # the same initial model everywhere (sync checks it anyway)
+    model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(args.dropout),
+                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(args.hidden, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(x[:2]).sum().backward()  # warm up torch's kernels before any timing matters
+    optimizer.zero_grad(set_to_none=True)
+    world = elastic.init()
+    torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0)
+    batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+
+    @elastic.run
+    def train(world: elastic.World, state: elastic.TorchState) -> float:
+        loss = float("nan")
+        while state.step < args.steps:
+            world.fault_point(state.step)
+            optimizer.zero_grad()
+            local = torch.zeros(())
+            mine = batches.shard(state.step, world)
+            for part in elastic.micro_batches(mine, args.micro_batch):
+                idx = torch.from_numpy(part)
+                # Scaled by the global batch: the all-reduced sum is the global mean at any world size.
+                part_loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / args.batch
+                part_loss.backward()
+                local += part_loss.detach()
+            elastic.allreduce_gradients(world, model, step=state.step)
+            # Loss, and a fingerprint of which samples the ranks used (count, sum, sum of squares).
+            tally = np.array([float(local), len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
+            with world.guard():
+                world.comm.Allreduce(MPI.IN_PLACE, tally)
+            loss = float(tally[0])
+            optimizer.step()
+            if args.diverge_at == state.step and world.logical_rank == 2:
+                with torch.no_grad():
+                    model[0].weight[0, 0] += 1.0
+            state.step += 1
+            state.record_step(state.step, loss, total=args.steps, samples=tally[1:].tolist())
+            if state.step % args.commit_every == 0:
+                state.commit()
+        return loss
+
+    loss = train(world, state)
+    if world.rank == 0:
+        result = {"steps": state.step, "size": world.size, "generation": world.generation, "final_loss": loss,
+                  "logical_ranks": [int(r) for r in world.logical_ranks],
+                  "model_sha256": digest(model.state_dict()), "optimizer_sha256": digest(optimizer.state_dict())}
+        print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
+              f"loss {loss:.6f}, model sha256 {result['model_sha256'][:16]}", flush=True)
+        run_dir = os.environ.get("ELASTIC_RUN_DIR")
+        if run_dir:
+            with open(os.path.join(run_dir, "result.json"), "w") as f:
+                json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

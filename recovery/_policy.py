@@ -1,0 +1,97 @@
+"""Shrink or substitute: how the lost logical ranks of one rebuild are filled (pure, no MPI).
+
+A ``Policy`` is handed to ``elastic.comm.init(decide=...)``; at every rebuild
+the first process of the shrunk world calls it and broadcasts the answer, so
+every process executes the same decision. It answers with the rebuild modes to
+apply, in order, and a sentence saying why; an empty answer stops the job with
+that sentence.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from elastic.comm import ConfigError
+
+MODES = ("spare", "spawn", "shrink")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Prefer a parked spare, then spawn or shrink, under the job's size constraints.
+
+    Args:
+        modes: the rebuild modes allowed, in order of preference.
+        min_size: fewest active ranks the job may shrink to.
+        multiple_of: after a shrink the active size must be a multiple of this
+            (pipeline depth, tensor-parallel width); 1 means any size.
+        cost_model: choose between spawn and shrink by cost instead of by order:
+            spawning costs ``spawn_seconds`` once; shrinking from n to m ranks
+            with the global batch kept makes each of the remaining steps
+            n/m times slower. Needs the loop's outlook (``step_seconds``,
+            ``remaining_steps``); without it the order decides.
+        spawn_seconds: measured cost of a spawn + merge (about 1.3 s here).
+    """
+
+    modes: tuple[str, ...] = ("spare", "shrink")
+    min_size: int = 1
+    multiple_of: int = 1
+    cost_model: bool = False
+    spawn_seconds: float = 1.3
+
+    def __post_init__(self) -> None:
+        modes = tuple(self.modes.split(",")) if isinstance(self.modes, str) else tuple(self.modes)
+        object.__setattr__(self, "modes", tuple(m.strip() for m in modes if m.strip()))
+        bad = [m for m in self.modes if m not in MODES]
+        if not self.modes or bad or len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"policy modes {self.modes!r}: give an ordered list drawn from {MODES} "
+                              "without repeats, e.g. ('spare', 'shrink')")
+        if self.min_size < 1 or self.multiple_of < 1:
+            raise ConfigError(f"min_size={self.min_size}, multiple_of={self.multiple_of}: both must be >= 1")
+        if self.spawn_seconds < 0:
+            raise ConfigError(f"spawn_seconds={self.spawn_seconds}: a cost cannot be negative")
+
+    def __call__(self, lost: int, spares: int, active: int,
+                 outlook: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], str]:
+        """Decide how to fill ``lost`` logical ranks (local, deterministic).
+
+        Args:
+            lost: active logical ranks that died in this rebuild.
+            spares: parked spares still alive.
+            active: active ranks still alive (spares not counted).
+            outlook: ``step_seconds`` and ``remaining_steps`` of the training loop, if known.
+
+        Returns:
+            (modes to apply in order, reason). No modes: the job cannot continue; the reason says why.
+        """
+        from_spares = min(lost, spares) if "spare" in self.modes else 0
+        rest = lost - from_spares
+        used = ("spare",) if from_spares else ()
+        spare_note = f"{from_spares} of {lost} lost rank(s) from parked spares" if from_spares else \
+            f"no parked spare for {lost} lost rank(s)" if "spare" in self.modes else "spares not allowed"
+        if rest == 0:
+            return used, spare_note
+        after = active + from_spares
+        shrink_ok, shrink_why = self._shrink_allowed(after)
+        options = [m for m in self.modes if m == "spawn" or (m == "shrink" and shrink_ok)]
+        if not options:
+            why = shrink_why if "shrink" in self.modes else "shrink not allowed"
+            return (), (f"{spare_note}; cannot fill the other {rest}: {why}, and spawn is not allowed; "
+                        "add spares (--spares), allow 'spawn', or lower min_size / multiple_of")
+        choice, why = options[0], "first allowed mode"
+        if self.cost_model and len(options) == 2 and outlook and outlook.get("step_seconds") \
+                and outlook.get("remaining_steps") is not None:
+            slower = outlook["step_seconds"] * outlook["remaining_steps"] * ((after + rest) / after - 1)
+            choice = "spawn" if slower > self.spawn_seconds else "shrink"
+            why = (f"shrinking to {after} ranks would cost {slower:.2f} s over {outlook['remaining_steps']:.0f} "
+                   f"remaining steps, spawning {self.spawn_seconds:.2f} s")
+        elif "shrink" in self.modes and not shrink_ok:
+            why = shrink_why
+        return used + (choice,), f"{spare_note}; {choice} for {rest} ({why})"
+
+    def _shrink_allowed(self, size: int) -> tuple[bool, str]:
+        if size < self.min_size:
+            return False, f"shrinking would leave {size} active ranks, below min_size={self.min_size}"
+        if size % self.multiple_of:
+            return False, f"shrinking would leave {size} active ranks, not a multiple of {self.multiple_of}"
+        return True, ""
