@@ -1,0 +1,167 @@
+"""Turn a run's JSON-line events into a recovery timeline, the ETTR, and a loss plot.
+
+    python -m elastic.report RUN_DIR [--baseline FAILURE_FREE_RUN_DIR] [--plot loss.png]
+
+Per failure (one row per rebuild generation), in milliseconds:
+
+* detect: the injected kill -> the first survivor sees the failure
+* agree: the slowest process's agreement on the failed set
+* rebuild: shrink + substitute (spare / spawn) + installing the new communicators
+* restore: the slowest rank's state recovery from peers' memory and roll-back
+* resume: restored -> the first training step completed again
+* down: the kill -> that first step (everything above, and waits between them)
+
+plus the steps redone (lost since the last commit) and the bytes moved.
+ETTR (effective training time ratio) = time spent in training steps that
+count toward the final model / wall time from start to finish.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastic.comm import read_events
+
+
+def final_steps(events: list[dict]) -> dict[int, dict]:
+    """Each step's last recorded execution (steps redone after a roll-back replace the lost ones)."""
+    steps: dict[int, dict] = {}
+    for e in events:
+        if e["event"] == "step":
+            steps[e["step"]] = e
+    return steps
+
+
+def ettr(events: list[dict]) -> float:
+    """Time in steps that count / wall time between the first start and the last finish."""
+    started = [e["t"] for e in events if e["event"] == "started"]
+    finished = [e["t"] for e in events if e["event"] == "finished"]
+    if not started or not finished:
+        raise ValueError("the run has no start or no finish: ETTR needs a run that completed")
+    useful = sum(e["seconds"] for e in final_steps(events).values())
+    return useful / (max(finished) - min(started))
+
+
+def timeline(events: list[dict]) -> list[dict[str, Any]]:
+    """One row per rebuild, phases in milliseconds (see the module docstring)."""
+    rows = []
+    generations = sorted({e["gen"] for e in events if e["event"] == "rebuilt"})
+    steps = [e for e in events if e["event"] == "step"]
+    for gen in generations:
+        of = [e for e in events if e.get("gen") == gen]
+        before = [e for e in events if e.get("gen") == gen - 1]
+        rebuilt = [e for e in of if e["event"] == "rebuilt"]
+        kills = [e["t"] for e in before if e["event"] == "inject" and e["action"] != "raise"]
+        seen = [e["t"] for e in before if e["event"] == "failure_seen"]
+        start = min(kills) if kills else min(seen, default=min(e["t"] for e in rebuilt))
+        restored = [e for e in of if e["event"] == "state_restored"]
+        restored_t = max((e["t"] for e in restored), default=max(e["t"] for e in rebuilt))
+        after = [e for e in steps if e["t"] > restored_t]
+        last_before = max((e["step"] for e in steps if e["t"] < start), default=0)
+        first_after = after[0] if after else None
+        decisions = [e for e in before if e["event"] == "decision"]
+        rows.append({
+            "gen": gen,
+            "failed": rebuilt[0]["failed"],
+            "mode": rebuilt[0]["mode"],
+            "reason": decisions[-1]["reason"] if decisions else "",
+            "detect": 1e3 * (min(seen) - start) if seen and kills else None,
+            "agree": 1e3 * max(e["durations"].get("agree", 0.0) for e in rebuilt),
+            "rebuild": 1e3 * max(sum(e["durations"].get(k, 0.0) for k in ("shrink", "substitute", "install"))
+                                 for e in rebuilt),
+            "restore": 1e3 * max((e["seconds"] for e in restored), default=0.0),
+            "resume": 1e3 * (first_after["t"] - restored_t) if first_after else None,
+            "down": 1e3 * (first_after["t"] - start) if first_after else None,
+            "redone": max(last_before - (first_after["step"] - 1), 0) if first_after else None,
+            "bytes": sum(e["bytes_moved"] for e in restored),
+            "size": rebuilt[0]["size"],
+            "t_failure": start,
+            "t_resumed": first_after["t"] if first_after else None,
+            "failed_at_step": last_before,
+        })
+    return rows
+
+
+def format_report(run_dir: Path, baseline: Path | None = None) -> str:
+    events = read_events(run_dir)
+    rows = timeline(events)
+    lines = [f"run {run_dir}: {len(rows)} failure(s), ETTR {ettr(events):.3f}"]
+    if baseline is not None:
+        lines[0] += f" (failure-free run: ETTR {ettr(read_events(baseline)):.3f})"
+    head = ("gen", "failed", "mode", "size", "detect", "agree", "rebuild", "restore", "resume", "down", "redone",
+            "MB moved")
+    lines.append(" ".join(f"{h:>9}" for h in head) + "   (ms; redone = steps lost since the last commit)")
+    for r in rows:
+        cells = (r["gen"], ",".join(map(str, r["failed"])), r["mode"], r["size"], r["detect"], r["agree"],
+                 r["rebuild"], r["restore"], r["resume"], r["down"], r["redone"], r["bytes"] / 1e6)
+        lines.append(" ".join(f"{c:>9.1f}" if isinstance(c, float) else f"{'-' if c is None else c!s:>9}"
+                              for c in cells))
+    for r in rows:
+        lines.append(f"  gen {r['gen']}: {r['reason']}")
+    steps = final_steps(events)
+    if steps:
+        last = steps[max(steps)]
+        lines.append(f"final step {last['step']}, loss {last['loss']:.6f}")
+    return "\n".join(lines)
+
+
+def plot(run_dir: Path, out: Path, baseline: Path | None = None) -> None:
+    """Loss against step and against wall time, failures marked, the failure-free run beside it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("the plot needs matplotlib: pip install 'ulfm-elastic[plot]'") from exc
+    events = read_events(run_dir)
+    t0 = min(e["t"] for e in events if e["event"] == "started")
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    if baseline is not None:
+        base = read_events(baseline)
+        b0 = min(e["t"] for e in base if e["event"] == "started")
+        bsteps = sorted(final_steps(base).values(), key=lambda e: e["step"])
+        by_step.plot([e["step"] for e in bsteps], [e["loss"] for e in bsteps], "--", color="gray", label="no failure")
+        by_time.plot([e["t"] - b0 for e in bsteps], [e["loss"] for e in bsteps], "--", color="gray",
+                     label="no failure")
+    every = [e for e in events if e["event"] == "step"]
+    by_time.plot([e["t"] - t0 for e in every], [e["loss"] for e in every], color="C0", label="with failures")
+    steps = sorted(final_steps(events).values(), key=lambda e: e["step"])
+    by_step.plot([e["step"] for e in steps], [e["loss"] for e in steps], color="C0", label="with failures")
+    for row in timeline(events):
+        by_time.axvspan(row["t_failure"] - t0, (row["t_resumed"] or row["t_failure"]) - t0, color="C3", alpha=0.3)
+        by_step.axvline(row["failed_at_step"], color="C3", alpha=0.6)
+        by_step.annotate(f"lost {row['failed']} ({row['mode']})", (row["failed_at_step"], by_step.get_ylim()[1]),
+                         rotation=90, va="top", ha="right", fontsize=8, color="C3")
+    by_step.set(xlabel="step", ylabel="loss", yscale="log", title="loss by step (failures marked)")
+    by_time.set(xlabel="seconds since start", ylabel="loss", yscale="log", title="loss by time (recovery shaded)")
+    by_step.legend()
+    by_time.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--baseline", type=Path, help="a failure-free run of the same job, for comparison")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the loss curves here (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print the timeline rows as JSON instead")
+    args = parser.parse_args(argv)
+    if not any(args.run_dir.glob("events-*.jsonl")):
+        parser.error(f"{args.run_dir} holds no events-*.jsonl: give the --run-dir of a launched job")
+    if args.json:
+        events = read_events(args.run_dir)
+        print(json.dumps({"ettr": ettr(events), "timeline": timeline(events)}, indent=1))
+    else:
+        print(format_report(args.run_dir, args.baseline))
+    if args.plot:
+        plot(args.run_dir, args.plot, args.baseline)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
