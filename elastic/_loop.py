@@ -8,7 +8,6 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 
 from elastic.comm import ConfigError, ProcessFailure, Role, Unrecoverable, World, init as _comm_init
-from elastic.comm._world import MIN_SIZE_ENV, REBUILD_ENV
 from elastic.recovery import Policy
 
 from ._state import State
@@ -23,16 +22,14 @@ def init(*, spares: int | None = None, policy: Policy | None = None, run_dir: st
 
     Args:
         spares: processes that park as hot spares (default ``ELASTIC_SPARES`` or 0).
-        policy: how lost ranks are filled (default: ``Policy`` with the modes of
-            ``ELASTIC_REBUILD`` or spare,shrink and ``min_size`` from ``ELASTIC_MIN_SIZE``).
+        policy: how lost ranks are filled (default ``Policy.from_env()``: the launcher's
+            ``--rebuild``, ``--min-size`` and the other ``ELASTIC_*`` policy settings).
         run_dir: where JSON-line events go (default ``ELASTIC_RUN_DIR``).
         inject: a fault schedule (default ``ELASTIC_INJECT``).
 
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
-    if policy is None:
-        policy = Policy(modes=os.environ.get(REBUILD_ENV, "spare,shrink"),
-                        min_size=int(os.environ.get(MIN_SIZE_ENV, "1")))
+    policy = Policy.from_env() if policy is None else policy
     return _comm_init(spares=spares, rebuild=policy.modes, min_size=policy.min_size, run_dir=run_dir,
                       inject=inject, decide=policy)
 

@@ -44,7 +44,9 @@ def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
 
 
 def _job_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {"ELASTIC_RUN_DIR": str(args.run_dir), "ELASTIC_SPARES": str(args.spares), "PYTHONUNBUFFERED": "1"}
+    # Every ELASTIC_* setting of the caller travels with the job (on other hosts too, through -x).
+    env = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_")}
+    env.update({"ELASTIC_RUN_DIR": str(args.run_dir), "ELASTIC_SPARES": str(args.spares), "PYTHONUNBUFFERED": "1"})
     if args.rebuild:
         env["ELASTIC_REBUILD"] = args.rebuild
     if args.inject:

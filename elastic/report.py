@@ -59,8 +59,10 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
         start = min(kills) if kills else min(seen, default=min(e["t"] for e in rebuilt))
         restored = [e for e in of if e["event"] == "state_restored"]
         restored_t = max((e["t"] for e in restored), default=max(e["t"] for e in rebuilt))
-        after = [e for e in steps if e["t"] > restored_t]
-        last_before = max((e["step"] for e in steps if e["t"] < start), default=0)
+        # Generations order the steps without trusting clocks: a failure during this recovery
+        # puts the first step after it in a later generation.
+        after = [e for e in steps if e["gen"] >= gen]
+        last_before = max((e["step"] for e in steps if e["gen"] < gen), default=0)
         first_after = after[0] if after else None
         decisions = [e for e in before if e["event"] == "decision"]
         rows.append({

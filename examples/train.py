@@ -42,6 +42,58 @@ def make_data(samples: int, features: int, seed: int) -> tuple[torch.Tensor, tor
     return x, y
 
 
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(args.seed)  # the same initial model everywhere (sync checks it anyway)
+    return torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
+                               torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, args.hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1))
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
+    """Data and model, built before elastic.init() so that a parked spare is ready to take over."""
+    torch.set_num_threads(1)  # ranks share the cores; one thread each also keeps kernels deterministic
+    x, y = make_data(args.samples, args.features, args.seed)
+    model = make_model(args)
+    model(x[:2]).sum().backward()  # warm up torch's kernels before any timing matters
+    model.zero_grad(set_to_none=True)
+    return x, y, model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options train.py and zero1.py share."""
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=64, help="global batch, kept after a shrink")
+    parser.add_argument("--micro-batch", type=int, default=None, help="gradient accumulation piece per rank")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--commit-every", type=int, default=5)
+    parser.add_argument("--replication", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def local_loss(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+               batches: elastic.GlobalBatches, step: int, args: argparse.Namespace) -> tuple[float, list[float]]:
+    """Backward over this rank's share of global batch ``step`` and all-reduce the gradients
+    (collective). Returns the global loss and the fingerprint of the samples used."""
+    mine = batches.shard(step, world)
+    local = torch.zeros(())
+    for part in elastic.micro_batches(mine, args.micro_batch):
+        idx = torch.from_numpy(part)
+        # Scaled by the global batch: the all-reduced sum is the global mean at any world size.
+        part_loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / args.batch
+        part_loss.backward()
+        local += part_loss.detach()
+    elastic.allreduce_gradients(world, model, step=step)
+    # Loss, and a fingerprint of which samples the ranks used (count, sum, sum of squares).
+    tally = np.array([float(local), len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
+    with world.guard():
+        world.comm.Allreduce(MPI.IN_PLACE, tally)
+    return float(tally[0]), tally[1:].tolist()
+
+
 def digest(state_dict: dict) -> str:
     """sha256 over every tensor of a (possibly nested) state dict, in key order."""
     h = hashlib.sha256()
@@ -62,32 +114,28 @@ def digest(state_dict: dict) -> str:
     return h.hexdigest()
 
 
+def report(world: elastic.World, state: elastic.State, loss: float, **fields: object) -> None:
+    """Rank 0 prints the outcome and writes result.json for the tests (local)."""
+    if world.rank != 0:
+        return
+    result = {"steps": state.step, "size": world.size, "generation": world.generation, "final_loss": loss,
+              "logical_ranks": [int(r) for r in world.logical_ranks], **fields}
+    print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
+          f"loss {loss:.6f}, model sha256 {str(fields.get('model_sha256'))[:16]}", flush=True)
+    run_dir = os.environ.get("ELASTIC_RUN_DIR")
+    if run_dir:
+        with open(os.path.join(run_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=64, help="global batch, kept after a shrink")
-    parser.add_argument("--micro-batch", type=int, default=None, help="gradient accumulation piece per rank")
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--commit-every", type=int, default=5)
-    parser.add_argument("--replication", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    add_arguments(parser)
     parser.add_argument("--diverge-at", type=int, default=None,
                         help="bad input: logical rank 2 perturbs its weights at this step (commit must refuse)")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # ranks share the cores; one thread each also keeps kernels deterministic
-
-    # Everything that needs no communication comes before init(), so that a parked spare is ready to go.
-    x, y = make_data(args.samples, args.features, args.seed)
-    torch.manual_seed(args.seed)  # the same initial model everywhere (sync checks it anyway)
-    model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(args.dropout),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(x[:2]).sum().backward()  # warm up torch's kernels before any timing matters
-    optimizer.zero_grad(set_to_none=True)
+    x, y, model = setup(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0)
@@ -99,41 +147,20 @@ def main() -> int:
         while state.step < args.steps:
             world.fault_point(state.step)
             optimizer.zero_grad()
-            local = torch.zeros(())
-            mine = batches.shard(state.step, world)
-            for part in elastic.micro_batches(mine, args.micro_batch):
-                idx = torch.from_numpy(part)
-                # Scaled by the global batch: the all-reduced sum is the global mean at any world size.
-                part_loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / args.batch
-                part_loss.backward()
-                local += part_loss.detach()
-            elastic.allreduce_gradients(world, model, step=state.step)
-            # Loss, and a fingerprint of which samples the ranks used (count, sum, sum of squares).
-            tally = np.array([float(local), len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
-            with world.guard():
-                world.comm.Allreduce(MPI.IN_PLACE, tally)
-            loss = float(tally[0])
+            loss, samples = local_loss(world, model, x, y, batches, state.step, args)
             optimizer.step()
             if args.diverge_at == state.step and world.logical_rank == 2:
                 with torch.no_grad():
                     model[0].weight[0, 0] += 1.0
             state.step += 1
-            state.record_step(state.step, loss, total=args.steps, samples=tally[1:].tolist())
+            state.record_step(state.step, loss, total=args.steps, samples=samples)
             if state.step % args.commit_every == 0:
                 state.commit()
         return loss
 
     loss = train(world, state)
-    if world.rank == 0:
-        result = {"steps": state.step, "size": world.size, "generation": world.generation, "final_loss": loss,
-                  "logical_ranks": [int(r) for r in world.logical_ranks],
-                  "model_sha256": digest(model.state_dict()), "optimizer_sha256": digest(optimizer.state_dict())}
-        print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
-              f"loss {loss:.6f}, model sha256 {result['model_sha256'][:16]}", flush=True)
-        run_dir = os.environ.get("ELASTIC_RUN_DIR")
-        if run_dir:
-            with open(os.path.join(run_dir, "result.json"), "w") as f:
-                json.dump(result, f)
+    report(world, state, loss, model_sha256=digest(model.state_dict()),
+           optimizer_sha256=digest(optimizer.state_dict()))
     return 0
 
 

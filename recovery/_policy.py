@@ -9,11 +9,17 @@ that sentence.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Mapping
 
 from elastic.comm import ConfigError
 
 MODES = ("spare", "spawn", "shrink")
+REBUILD_ENV = "ELASTIC_REBUILD"
+MIN_SIZE_ENV = "ELASTIC_MIN_SIZE"
+MULTIPLE_OF_ENV = "ELASTIC_MULTIPLE_OF"
+COST_MODEL_ENV = "ELASTIC_COST_MODEL"
+SPAWN_SECONDS_ENV = "ELASTIC_SPAWN_SECONDS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,22 @@ class Policy:
     multiple_of: int = 1
     cost_model: bool = False
     spawn_seconds: float = 1.3
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Policy":
+        """The policy the launcher's options ask for: ``ELASTIC_REBUILD`` (modes, default spare,shrink),
+        ``ELASTIC_MIN_SIZE``, ``ELASTIC_MULTIPLE_OF``, ``ELASTIC_COST_MODEL`` (1 = on), ``ELASTIC_SPAWN_SECONDS``."""
+        env = os.environ if environ is None else environ
+        try:
+            return cls(modes=env.get(REBUILD_ENV, "spare,shrink"), min_size=int(env.get(MIN_SIZE_ENV, "1")),
+                       multiple_of=int(env.get(MULTIPLE_OF_ENV, "1")),
+                       cost_model=env.get(COST_MODEL_ENV, "0") not in ("", "0", "false", "no"),
+                       spawn_seconds=float(env.get(SPAWN_SECONDS_ENV, "1.3")))
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"rebuild policy from the environment: {exc}; {MIN_SIZE_ENV} and {MULTIPLE_OF_ENV} "
+                              f"take integers, {SPAWN_SECONDS_ENV} seconds") from exc
 
     def __post_init__(self) -> None:
         modes = tuple(self.modes.split(",")) if isinstance(self.modes, str) else tuple(self.modes)
@@ -68,7 +90,7 @@ class Policy:
         rest = lost - from_spares
         used = ("spare",) if from_spares else ()
         spare_note = f"{from_spares} of {lost} lost rank(s) from parked spares" if from_spares else \
-            f"no parked spare for {lost} lost rank(s)" if "spare" in self.modes else "spares not allowed"
+            f"no parked spare for {lost} lost rank(s)" if "spare" in self.modes else "spares not among the modes"
         if rest == 0:
             return used, spare_note
         after = active + from_spares
