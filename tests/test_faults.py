@@ -108,7 +108,7 @@ def test_more_failures_than_allowed_is_a_clear_error(tmp_path):
     assert job.rc == 1, job.output
     errors = [o for o in job.outcomes if o["status"] == "error"]
     assert len(errors) == 2  # both survivors stop with the same decision
-    assert all("below the minimum of 3" in o["message"] for o in errors)
+    assert all("below min_size=3" in o["message"] for o in errors)
     assert not (job.run_dir / "result.json").exists()
 
 

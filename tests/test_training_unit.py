@@ -1,0 +1,172 @@
+"""One-process tests of the training layer: policy decisions, state values, batches, the report."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import elastic
+from elastic._state import _fill_tensors, _strip_tensors, from_array, to_array
+from elastic.recovery import Policy
+from elastic.report import ettr, timeline
+
+
+# ------------------------------------------------------------------ policy
+def test_spares_first_then_the_next_allowed_mode():
+    policy = Policy(modes=("spare", "spawn", "shrink"))
+    assert policy(1, spares=1, active=3)[0] == ("spare",)
+    assert policy(2, spares=1, active=2)[0] == ("spare", "spawn")
+    assert Policy(modes=("spare", "shrink"))(2, spares=1, active=2)[0] == ("spare", "shrink")
+
+
+def test_shrink_respects_min_size_and_divisibility():
+    modes, reason = Policy(modes=("shrink",), min_size=3)(2, spares=0, active=2)
+    assert modes == () and "below min_size=3" in reason and "add spares" in reason
+    modes, reason = Policy(modes=("shrink", "spawn"), multiple_of=2)(1, spares=0, active=3)
+    assert modes == ("spawn",) and "not a multiple of 2" in reason
+
+
+def test_cost_model_compares_spawn_time_with_slower_steps():
+    policy = Policy(modes=("shrink", "spawn"), cost_model=True, spawn_seconds=1.3)
+    # 3 -> 2 ranks: each step 1.5x slower; 100 steps of 0.1 s lose 5 s, more than a 1.3 s spawn.
+    assert policy(1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 100})[0] == ("spawn",)
+    assert policy(1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 10})[0] == ("shrink",)
+    assert policy(1, 0, 2, {})[0] == ("shrink",)  # no outlook yet: the order decides
+
+
+def test_policy_rejects_bad_settings_with_what_to_do():
+    with pytest.raises(elastic.ConfigError, match="ordered list"):
+        Policy(modes=("spare", "teleport"))
+    with pytest.raises(elastic.ConfigError, match="integers"):
+        Policy.from_env({"ELASTIC_MIN_SIZE": "three"})
+    policy = Policy.from_env({"ELASTIC_REBUILD": "spawn,shrink", "ELASTIC_COST_MODEL": "1",
+                              "ELASTIC_MULTIPLE_OF": "2"})
+    assert policy.modes == ("spawn", "shrink") and policy.cost_model and policy.multiple_of == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(lost=st.integers(1, 6), spares=st.integers(0, 4), active=st.integers(0, 8), min_size=st.integers(1, 4),
+       multiple_of=st.integers(1, 3))
+def test_policy_never_breaks_its_constraints(lost, spares, active, min_size, multiple_of):
+    policy = Policy(modes=("spare", "shrink"), min_size=min_size, multiple_of=multiple_of)
+    modes, reason = policy(lost, spares, active)
+    used = min(lost, spares)
+    if "shrink" in modes:
+        assert active + used >= min_size and (active + used) % multiple_of == 0
+    if not modes:
+        assert reason and used < lost
+    assert modes[:1] in ((), ("spare",), ("shrink",))
+
+
+# ------------------------------------------------------------------ state values
+@pytest.mark.parametrize("value", [3, 2.5, True, np.float32(1.5), np.arange(6).reshape(2, 3),
+                                   torch.arange(4, dtype=torch.float64), torch.ones(3, dtype=torch.bfloat16)])
+def test_state_values_round_trip_bit_for_bit(value):
+    array, kind = to_array("x", value)
+    back = from_array(array.copy(), kind)
+    assert type(back) is type(value) or isinstance(value, np.generic)
+    if isinstance(value, torch.Tensor):
+        assert back.dtype == value.dtype and torch.equal(back, value)
+    else:
+        assert np.asarray(back).tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.parametrize("value", [[1, 2], {"a": 1}, "text", object(), np.array([object()])])
+def test_unsupported_state_values_say_what_to_do(value):
+    with pytest.raises(elastic.ConfigError, match="holds numbers, numpy arrays and torch tensors"):
+        to_array("bad", value)
+
+
+def test_optimizer_state_survives_the_tensor_split():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    tensors: dict = {}
+    skeleton = _strip_tensors(opt.state_dict(), "", tensors)
+    arrays = {f"optim.{path}": to_array(path, t)[0].copy() for path, t in tensors.items()}
+    rebuilt = _fill_tensors(skeleton, arrays)
+    fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    fresh.load_state_dict(rebuilt)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(fresh.state_dict()["state"][0][key], opt.state_dict()["state"][0][key])
+
+
+# ------------------------------------------------------------------ batches
+class _FakeWorld:
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+@settings(max_examples=50, deadline=None)
+@given(samples=st.integers(10, 300), batch=st.integers(1, 10), step=st.integers(0, 200), size=st.integers(1, 7))
+def test_global_batch_is_the_same_at_any_world_size(samples, batch, step, size):
+    batches = elastic.GlobalBatches(samples, batch, seed=3)
+    whole = batches.batch(step)
+    assert len(whole) == batch
+    shards = [batches.shard(step, _FakeWorld(r, size)) for r in range(size)]
+    assert np.array_equal(np.concatenate(shards), whole)
+
+
+def test_batches_walk_whole_epochs_across_batch_boundaries():
+    batches = elastic.GlobalBatches(10, 4, seed=0)
+    walk = np.concatenate([batches.batch(s) for s in range(5)])  # 20 samples: exactly two epochs
+    assert sorted(walk[:10].tolist()) == sorted(walk[10:].tolist()) == list(range(10))
+    assert not np.array_equal(walk[:10], walk[10:])  # each epoch in its own order
+    with pytest.raises(elastic.ConfigError):
+        elastic.GlobalBatches(4, 5)
+
+
+def test_micro_batches_cover_the_share():
+    parts = list(elastic.micro_batches(np.arange(10), 4))
+    assert [len(p) for p in parts] == [4, 4, 2] and np.array_equal(np.concatenate(parts), np.arange(10))
+
+
+def test_run_rejects_a_negative_failure_bound():
+    with pytest.raises(elastic.ConfigError):
+        elastic.run(lambda world, state: None, max_failures=-1)
+
+
+# ------------------------------------------------------------------ report
+def _events() -> list[dict]:
+    ev = [{"event": "started", "t": 0.0, "gen": 0}]
+    ev += [{"event": "step", "t": 1.0 + s, "gen": 0, "step": s, "seconds": 1.0, "loss": 1.0 / s} for s in (1, 2, 3)]
+    ev += [{"event": "inject", "t": 4.0, "gen": 0, "action": "kill"},
+           {"event": "failure_seen", "t": 4.5, "gen": 0},
+           {"event": "decision", "t": 4.6, "gen": 0, "reason": "spare"},
+           {"event": "rebuilt", "t": 4.8, "gen": 1, "failed": [1], "mode": "spare", "size": 4,
+            "durations": {"agree": 0.1, "shrink": 0.05, "substitute": 0.05, "install": 0.1}},
+           {"event": "state_restored", "t": 5.0, "gen": 1, "seconds": 0.2, "bytes_moved": 10}]
+    # Rolled back to step 2: step 3 is redone, then step 4.
+    ev += [{"event": "step", "t": 6.0 + i, "gen": 1, "step": s, "seconds": 1.0, "loss": 1.0 / s}
+           for i, s in enumerate((3, 4))]
+    ev += [{"event": "finished", "t": 8.0, "gen": 1}]
+    return ev
+
+
+def test_timeline_phases_and_ettr_from_events():
+    (row,) = timeline(_events())
+    assert row["detect"] == pytest.approx(500) and row["agree"] == pytest.approx(100)
+    assert row["rebuild"] == pytest.approx(200) and row["restore"] == pytest.approx(200)
+    assert row["resume"] == pytest.approx(1000) and row["down"] == pytest.approx(2000)
+    assert row["redone"] == 1 and row["bytes"] == 10
+    assert ettr(_events()) == pytest.approx(4 / 8)  # four steps that count, eight seconds in all
+
+
+def test_report_writes_the_table_and_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot is the optional [plot] extra")
+    import json
+    from elastic import report
+    for run in ("faults", "baseline"):
+        (tmp_path / run).mkdir()
+        events = _events() if run == "faults" else [e for e in _events() if e["gen"] == 0 and e["event"] != "inject"]
+        if run == "baseline":
+            events.append({"event": "finished", "t": 4.0, "gen": 0})
+        (tmp_path / run / "events-h-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    out = tmp_path / "loss.png"
+    assert report.main([str(tmp_path / "faults"), "--baseline", str(tmp_path / "baseline"), "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 failure(s), ETTR 0.500 (failure-free run: ETTR 0.750)" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
