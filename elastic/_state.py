@@ -10,13 +10,12 @@ from __future__ import annotations
 import pickle
 import random
 import time
-import zlib
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from elastic.comm import ConfigError, World, mpi_errors
-from elastic.recovery import ReplicatedStore
+from elastic.recovery import ReplicatedStore, checksum
 
 _PY_SCALARS = (bool, int, float, complex)
 PROGRESS_EVERY = 10  # steps between progress lines on rank 0
@@ -220,7 +219,7 @@ class State:
     def _check_shared(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Raise the same ConfigError on every rank when a value that must be equal differs (collective)."""
         world = self._world
-        sums = {name: (a.dtype.str, a.shape, zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        sums = {name: (a.dtype.str, a.shape, checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
                 for name, a in arrays.items() if not self._is_local(name)}
         with mpi_errors(world.comm):
             everyone = world.comm.allgather(sums)

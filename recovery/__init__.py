@@ -8,6 +8,7 @@ tracked as its own issue.
 """
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
-from ._store import DOMAINS_ENV, ReplicatedStore
+from ._store import DOMAINS_ENV, ReplicatedStore, checksum
 
-__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy"]
+__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy",
+           "checksum"]

@@ -4,7 +4,8 @@
 
 For each (ranks, MB per rank) one job runs under mpiexec --with-ft ulfm with one
 spare. In it: a ring Sendrecv of the same bytes (raw MPI point-to-point
-bandwidth), memcpy bandwidth, the median of 3 commits (replication 2), then
+bandwidth), memcpy bandwidth, 5 commits (replication 2: the first, cold, and the
+median of the last 3, warm), then
 logical rank 1 is SIGKILLed, the spare takes over and `store.recover` brings
 its state back from the peers ('fetch': the dead rank's bytes arrive and are
 verified; 'restore': fetch plus re-replication over the new world); rank 0 meanwhile also times numpy save (fsync)
@@ -55,12 +56,15 @@ def worker(mb: int) -> int:
         np.copyto(recv, buf)
         out["memcpy_s"] = time.perf_counter() - t
         times = []
-        for v in range(3):
+        for v in range(5):
             comm.Barrier()
             t = time.perf_counter()
             store.commit(state, v + 1)
             times.append(time.perf_counter() - t)
-        out["commit_s"] = statistics.median(times)
+        # The first two commits touch fresh memory (page faults); from the third on the store
+        # reuses the retired version's buffers, as it does for the rest of a training run.
+        out["commit_cold_s"] = times[0]
+        out["commit_s"] = statistics.median(times[2:])
         del recv
         if world.logical_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -117,7 +121,7 @@ def main() -> int:
         return worker(args.worker)
     print("replication 2, one spare; MB/s = MB per rank / seconds; 'commit/p2p' = commit bandwidth over "
           "raw ring Sendrecv bandwidth; 'disk/restore' = numpy load from disk over in-memory restore time")
-    head = ("ranks", "MB/rank", "p2p MB/s", "memcpy MB/s", "commit s", "commit MB/s", "commit/p2p",
+    head = ("ranks", "MB/rank", "p2p MB/s", "memcpy MB/s", "cold commit", "commit s", "commit MB/s", "commit/p2p",
             "fetch s", "restore s", "disk save s", "disk load s", "disk/fetch", "disk/restore", "bitwise")
     print(" ".join(f"{h:>12}" for h in head), flush=True)
     for n in args.ranks:
@@ -134,7 +138,7 @@ def main() -> int:
                     print(f"{n:>12} {mb:>12}  failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
                     continue
                 r = json.loads(bench.read_text())
-            row = (n, mb, mb / r["p2p_s"], mb / r["memcpy_s"], r["commit_s"], mb / r["commit_s"],
+            row = (n, mb, mb / r["p2p_s"], mb / r["memcpy_s"], r["commit_cold_s"], r["commit_s"], mb / r["commit_s"],
                    r["p2p_s"] / r["commit_s"], r["fetch_s"], r["restore_s"], r["disk_save_s"], r["disk_load_s"],
                    r["disk_load_s"] / r["fetch_s"], r["disk_load_s"] / r["restore_s"], r["restored_ok"])
             print(" ".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v!s:>12}" for v in row), flush=True)

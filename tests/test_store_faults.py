@@ -24,6 +24,12 @@ def test_spare_gets_the_dead_ranks_state(tmp_path):
     assert restored and all(e["gen"] == 1 for e in restored)
     promoted_pid = job.of("promoted")[0]["pid"]
     assert any(e["pid"] == promoted_pid and e["bytes_in"] > 0 for e in restored)
+    # Substitution repairs only what the dead rank held: its state comes back once and the copies
+    # it kept for others once more (about two states in all), where re-committing every rank's
+    # state would move five.
+    state_bytes = job.of("committed")[0]["payload_bytes"]
+    moved = sum(e["bytes_moved"] for e in job.of("store_recovered"))
+    assert state_bytes <= moved <= 2.2 * state_bytes, (moved, state_bytes)
 
 
 def test_shrink_hands_the_dead_ranks_state_to_a_survivor(tmp_path):
