@@ -1,6 +1,7 @@
 """Launch a job under ``mpiexec --with-ft ulfm`` and report what each process did.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@10 -- python examples/jacobi.py
+    python -m elastic.launch --slurm --spares 1 -- python examples/train.py   # inside sbatch / salloc
 
 ULFM's mpiexec exit status says nothing about which ranks died on purpose, so
 every process writes an outcome file and this launcher decides from those:
@@ -25,14 +26,41 @@ _EXPECTED_END = ("finished", "spare-unused")
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
 
 
+def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
+    """Pair Slurm's expanded node list with SLURM_TASKS_PER_NODE (e.g. '2(x3),1') (local)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if len(counts) != len(hosts):
+        raise SystemExit(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} does not match the {len(hosts)} allocated nodes")
+    return list(zip(hosts, counts))
+
+
+def slurm_allocation() -> list[tuple[str, int]]:
+    """(host, slots) of the Slurm allocation this launcher runs in."""
+    nodelist, tasks = os.environ.get("SLURM_JOB_NODELIST"), os.environ.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not tasks:
+        raise SystemExit("--slurm outside a Slurm allocation: run it from an sbatch script or inside salloc")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True, timeout=30).stdout.split()
+    return slurm_slots(tasks, hosts)
+
+
 def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
-    """The mpiexec command line for this machine (root, core count) and options."""
+    """The mpiexec command line for this machine (root, core count, Slurm allocation) and options."""
     mpiexec = args.mpiexec or shutil.which("mpiexec") or "mpiexec"
     cmd = [mpiexec, "--with-ft", "ulfm", "-n", str(nprocs)]
+    slots = os.cpu_count() or 1
+    if args.hosts:
+        cmd += ["--host", ",".join(f"{h}:{n}" for h, n in args.hosts)]
+        slots = sum(n for _, n in args.hosts)
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    if args.oversubscribe or nprocs > (os.cpu_count() or 1):
+    if args.oversubscribe or nprocs > slots:
         cmd.append("--oversubscribe")
+    if nprocs > (os.cpu_count() or 1):
+        cmd += ["--bind-to", "none"]  # more processes than cores (slots can exceed them under Slurm)
     if args.detector:
         for key, value in DETECTOR_MCA:
             cmd += ["--mca", key, value]
@@ -69,7 +97,11 @@ def summarize(run_dir: Path) -> tuple[bool, list[dict], list[str]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m elastic.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("-n", "--nprocs", type=int, required=True, help="active ranks")
+    parser.add_argument("-n", "--nprocs", type=int, help="active ranks (with --slurm: the allocation's "
+                        "tasks minus --spares)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="run on the Slurm allocation around this launcher: its nodes and task slots "
+                             "(each node is a failure domain for the replicated store)")
     parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
@@ -87,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the program after --, e.g. -- python examples/jacobi.py")
+    args.hosts = slurm_allocation() if args.slurm else []
+    if args.nprocs is None:
+        if not args.slurm:
+            parser.error("give -n (active ranks), or --slurm to size the job from the allocation")
+        args.nprocs = sum(n for _, n in args.hosts) - args.spares
     if args.nprocs < 1 or args.spares < 0:
         parser.error("-n must be >= 1 and --spares >= 0")
     if args.run_dir is None:
