@@ -90,3 +90,20 @@ def test_launcher_decides_from_outcomes_not_exit_status(tmp_path):
 def test_launcher_rejects_missing_program():
     with pytest.raises(SystemExit):
         launch.parse_args(["-n", "2"])
+
+
+def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
+    assert launch.slurm_slots("2(x3),1", ["a", "b", "c", "d"]) == [("a", 2), ("b", 2), ("c", 2), ("d", 1)]
+    with pytest.raises(SystemExit, match="does not match"):
+        launch.slurm_slots("4", ["a", "b"])
+    args = launch.parse_args(["-n", "6", "--run-dir", str(tmp_path), "--", "python", "x.py"])
+    args.hosts = [("a", 4), ("b", 4)]
+    cmd = launch.build_command(args, 7)
+    assert cmd[cmd.index("--host") + 1] == "a:4,b:4" and "--oversubscribe" not in cmd
+    assert "--oversubscribe" in launch.build_command(args, 9)  # more processes than allocated slots
+
+
+def test_slurm_option_outside_an_allocation_says_so(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    with pytest.raises(SystemExit, match="outside a Slurm allocation"):
+        launch.parse_args(["--slurm", "--", "python", "x.py"])
