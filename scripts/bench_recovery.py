@@ -118,21 +118,9 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _bandwidth(world, buf: np.ndarray) -> None:
-    """Ring Sendrecv and memcpy of the state's bytes (collective), as an event on every rank."""
-    comm = world.comm
-    recv = np.empty_like(buf)
-    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
-    times = []
-    for _ in range(3):
-        comm.Barrier()
-        t = time.perf_counter()
-        comm.Sendrecv(buf, dest=right, recvbuf=recv, source=left)
-        comm.Barrier()
-        times.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    np.copyto(recv, buf)
-    memcpy = time.perf_counter() - t
-    world.events.emit("bandwidth", p2p_s=statistics.median(times), memcpy_s=memcpy, nbytes=int(buf.nbytes))
+    """Raw MPI and memcpy bandwidth of the state's bytes (collective), as an event on every rank."""
+    from bench_store import raw_bandwidth
+    world.events.emit("bandwidth", nbytes=int(buf.nbytes), **raw_bandwidth(world, buf))
 
 
 # ---------------------------------------------------------------- the driver

@@ -30,6 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
+    """Seconds for a ring Sendrecv of ``buf`` (median of 3) and for a memcpy of it (collective)."""
+    comm = world.comm
+    recv = np.empty_like(buf)
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    times = []
+    for _ in range(3):
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Sendrecv(buf, dest=right, recvbuf=recv, source=left)
+        comm.Barrier()
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    np.copyto(recv, buf)
+    return {"p2p_s": statistics.median(times), "memcpy_s": time.perf_counter() - t}
+
+
 def worker(mb: int) -> int:
     import elastic
     from mpi4py import MPI
@@ -42,19 +59,7 @@ def worker(mb: int) -> int:
     store = ReplicatedStore(world, replication=2, chunk_bytes=8 << 20)
     out: dict[str, float] = {}
     if world.role is not elastic.Role.RECOVERED:
-        buf, recv = state["weights"], np.empty_like(state["weights"])
-        right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
-        times = []
-        for _ in range(3):
-            comm.Barrier()
-            t = time.perf_counter()
-            comm.Sendrecv(buf, dest=right, recvbuf=recv, source=left)
-            comm.Barrier()
-            times.append(time.perf_counter() - t)
-        out["p2p_s"] = statistics.median(times)
-        t = time.perf_counter()
-        np.copyto(recv, buf)
-        out["memcpy_s"] = time.perf_counter() - t
+        out.update(raw_bandwidth(world, state["weights"]))
         times = []
         for v in range(5):
             comm.Barrier()
@@ -65,7 +70,6 @@ def worker(mb: int) -> int:
         # reuses the retired version's buffers, as it does for the rest of a training run.
         out["commit_cold_s"] = times[0]
         out["commit_s"] = statistics.median(times[2:])
-        del recv
         if world.logical_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if world.rank == 0:

@@ -105,7 +105,8 @@ def main() -> int:
           f"{' or '.join(f'{g:g}' for g in a.storage_gbps)} GB/s shared by the job (ranks x state / bandwidth); "
           f"a failure costs a restart of {a.restart_s:.0f} s (requeue, relaunch, init) plus the load.")
     print("- lost work: half an interval on average; intervals are Daly's optimum unless stated; "
-          "'sim' = a 30-day discrete-event simulation at that interval (seed 0).")
+          "'sim' = a 30-day discrete-event simulation at that interval (seed 0), which also counts failures "
+          "during recovery: where recovery is not small against the MTTF the formula is optimistic, trust 'sim'.")
     methods = lambda n: [  # noqa: E731
         Method("in-memory, spare", a.state_gb / k["commit_gbps"], k["rebuild_s"] + a.state_gb / k["restore_gbps"]),
         Method("in-memory, spawn", a.state_gb / k["commit_gbps"], k["spawn_s"] + a.state_gb / k["restore_gbps"]),
