@@ -35,10 +35,10 @@ REBUILD_ENV = "ELASTIC_REBUILD"
 MIN_SIZE_ENV = "ELASTIC_MIN_SIZE"
 MODES = ("spare", "spawn", "shrink")
 SPARE = -1  # membership-table entry of a parked spare
+_TAG_RELEASE = 7701
 
 # decide(lost, spares, active, outlook) -> (modes to apply in order, reason); see elastic.recovery.Policy.
 Decide = Callable[[int, int, int, Mapping[str, float]], "tuple[tuple[str, ...], str]"]
-_TAG_RELEASE = 7701
 
 
 @dataclasses.dataclass(frozen=True)

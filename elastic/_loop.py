@@ -54,9 +54,10 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
     """
     if func is None:
         return functools.partial(run, max_failures=max_failures)
-    limit = int(os.environ.get(MAX_FAILURES_ENV, "3")) if max_failures is None else max_failures
-    if limit < 0:
-        raise ConfigError(f"max_failures={limit}: must be >= 0")
+    text = os.environ.get(MAX_FAILURES_ENV, "3") if max_failures is None else str(max_failures)
+    if not text.isdigit():
+        raise ConfigError(f"max_failures={text!r} ({MAX_FAILURES_ENV}): give a whole number >= 0")
+    limit = int(text)
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:

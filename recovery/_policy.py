@@ -13,10 +13,8 @@ import os
 from typing import Mapping
 
 from elastic.comm import ConfigError
+from elastic.comm._world import MIN_SIZE_ENV, MODES, REBUILD_ENV
 
-MODES = ("spare", "spawn", "shrink")
-REBUILD_ENV = "ELASTIC_REBUILD"
-MIN_SIZE_ENV = "ELASTIC_MIN_SIZE"
 MULTIPLE_OF_ENV = "ELASTIC_MULTIPLE_OF"
 COST_MODEL_ENV = "ELASTIC_COST_MODEL"
 SPAWN_SECONDS_ENV = "ELASTIC_SPAWN_SECONDS"
