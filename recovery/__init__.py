@@ -3,12 +3,14 @@
 ``ReplicatedStore`` keeps every rank's state in its peers' memory (two-phase
 commits, checksums, balanced recovery); ``place_replicas`` / ``plan_transfers``
 are its placement and recovery-plan logic; ``Policy`` decides, at each rebuild,
-between a spare, a spawned process and shrinking. CheckFree reconstruction is
-tracked as its own issue.
+between a spare, a spawned process and shrinking; ``plan_stage_recovery`` /
+``checkfree_average`` bring a lost pipeline stage back from a replica or, with
+none, from its neighbours (CheckFree / CheckFree+).
 """
+from ._checkfree import LR_BOOST, StageRecovery, checkfree_average, plan_stage_recovery, replica_holders
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 from ._store import DOMAINS_ENV, ReplicatedStore, checksum
 
 __all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy",
-           "checksum"]
+           "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average", "replica_holders", "LR_BOOST"]

@@ -1,0 +1,54 @@
+"""CheckFree(+) reconstruction and the stage-recovery policy, in one process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic import ConfigError, Unrecoverable
+from elastic.recovery import checkfree_average, plan_stage_recovery, replica_holders
+
+
+def test_average_weights_the_neighbour_with_the_larger_gradient_norm_more():
+    before = {"w": np.full((2, 2), 1.0, np.float32), "b": np.zeros(2, np.float32)}
+    after = {"w": np.full((2, 2), 4.0, np.float32), "b": np.ones(2, np.float32)}
+    rebuilt = checkfree_average(before, after, norm_before=1.0, norm_after=2.0)
+    assert rebuilt["w"].dtype == np.float32 and np.allclose(rebuilt["w"], 3.0) and np.allclose(rebuilt["b"], 2 / 3)
+    with pytest.raises(ConfigError, match="same structure"):
+        checkfree_average(before, {"w": after["w"]}, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="before clipping"):
+        checkfree_average(before, after, 0.0, 1.0)
+
+
+def test_replica_first_then_checkfree_then_checkfree_plus():
+    replicas = {2: {5}}
+    plan = plan_stage_recovery(6, {2}, replicas)
+    assert [(p.method, p.sources) for p in plan] == [("replica", (5,))]
+    plan = plan_stage_recovery(6, {3}, replicas)
+    assert [(p.method, p.sources) for p in plan] == [("checkfree", (2, 4))]
+    plan = plan_stage_recovery(6, {0, 5}, {}, checkfree_plus=True)
+    assert [(p.stage, p.method, p.sources) for p in plan] == [(0, "checkfree+", (1,)), (5, "checkfree+", (4,))]
+
+
+def test_what_checkfree_cannot_do_is_named():
+    with pytest.raises(Unrecoverable, match="stage 2: a neighbouring stage was lost too.*stage 3: a neighbouring"):
+        plan_stage_recovery(6, {2, 3}, {})
+    with pytest.raises(Unrecoverable, match="stage 0: an end stage without a replica needs CheckFree"):
+        plan_stage_recovery(6, {0}, {})
+    # A replica of one of two consecutive stages brings both back: the replica first, then CheckFree.
+    plan = plan_stage_recovery(6, {2, 3}, {2: {5}})
+    assert [(p.stage, p.method, p.sources) for p in plan] == [(2, "replica", (5,)), (3, "checkfree", (2, 4))]
+    with pytest.raises(Unrecoverable, match="stage 3"):
+        plan_stage_recovery(6, {2, 3}, {2: {3}})  # the replica died with the other stage
+
+
+@settings(max_examples=30, deadline=None)
+@given(stages=st.integers(2, 12))
+def test_every_stage_has_one_replica_off_its_neighbours_where_possible(stages):
+    holders = replica_holders(stages)
+    assert sorted(holders) == list(range(stages))
+    assert all(len(h) == 1 and s not in h for s, h in holders.items())
+    assert sorted(h for hs in holders.values() for h in hs) == list(range(stages))  # each holds one
+    if stages >= 4:
+        assert all(abs(s - h) > 1 for s, hs in holders.items() for h in hs)
