@@ -21,12 +21,12 @@ from elastic.comm import (
 from elastic.recovery import DataLost, Policy
 
 from ._loop import GlobalBatches, allreduce_gradients, init, micro_batches, run
-from ._state import State, TorchState
+from ._state import State, StepClock, TorchState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy",
+    "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy", "StepClock",
     "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost",
 ]

@@ -49,6 +49,40 @@ def from_array(array: np.ndarray, kind: str) -> Any:
     return array
 
 
+class StepClock:
+    """Times training steps: an event per step on rank 0, a progress line, the outlook for the policy.
+
+    Local. A step's duration counts from the previous step or from the last
+    ``restart()`` (the end of a recovery), so recovery time is never taken for
+    training time.
+    """
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._last: float | None = None
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
+        now = time.perf_counter()
+        seconds = now - self._last if self._last is not None else 0.0
+        self._last = now
+        world = self._world
+        outlook = world.outlook
+        outlook["step_seconds"] = seconds if "step_seconds" not in outlook else \
+            0.8 * outlook["step_seconds"] + 0.2 * seconds
+        if total is not None:
+            outlook["remaining_steps"] = max(total - step, 0)
+        if world.rank == 0:
+            world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
+            if step % PROGRESS_EVERY == 0 or step == total:
+                of = f"/{total}" if total else ""
+                shown = f" loss {loss:.5f}" if loss is not None else ""
+                print(f"[train] step {step}{of}{shown}  {1 / max(outlook['step_seconds'], 1e-9):.1f} steps/s  "
+                      f"{world.size} ranks  generation {world.generation}", flush=True)
+
+
 def _is_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "detach")
 
@@ -84,7 +118,7 @@ class State:
         self._local = frozenset(local)
         self._values: dict[str, Any] = {}
         self._kinds: dict[str, str] = {}
-        self._clock: float | None = None
+        self._clock = StepClock(world)
         for name, value in values.items():
             self[name] = value
 
@@ -167,30 +201,11 @@ class State:
                 self._apply(world.comm.bcast(shared, root=world.first_survivor))
         if versions[0] is None:
             self.commit()
-        self._clock = time.perf_counter()
+        self._clock.restart()
 
     def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
-        """Note that a training step finished (local): an event on rank 0, a progress line, the outlook.
-
-        The step's duration counts from the previous step or from the end of the last
-        recovery, so that recovery time is not mistaken for training time.
-        """
-        now = time.perf_counter()
-        seconds = now - self._clock if self._clock is not None else 0.0
-        self._clock = now
-        world = self._world
-        outlook = world.outlook
-        outlook["step_seconds"] = seconds if "step_seconds" not in outlook else \
-            0.8 * outlook["step_seconds"] + 0.2 * seconds
-        if total is not None:
-            outlook["remaining_steps"] = max(total - step, 0)
-        if world.rank == 0:
-            world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
-            if step % PROGRESS_EVERY == 0 or step == total:
-                of = f"/{total}" if total else ""
-                shown = f" loss {loss:.5f}" if loss is not None else ""
-                print(f"[train] step {step}{of}{shown}  {1 / max(outlook['step_seconds'], 1e-9):.1f} steps/s  "
-                      f"{world.size} ranks  generation {world.generation}", flush=True)
+        """Note that a training step finished (local); see ``StepClock.step_done``."""
+        self._clock.step_done(step, loss, total, **metrics)
 
     # ------------------------------------------------------------ internals
     def _recover(self) -> None:
@@ -277,7 +292,7 @@ class TorchState(State):
         import torch
         plain = {k: v for k, v in arrays.items() if k.split(".", 1)[0] not in ("model", "optim", "rng")}
         super()._apply(plain)
-        if self._model is not None:
+        if self._model is not None and any(k.startswith("model.") for k in arrays):  # absent when all local
             current = self._model.state_dict()
             self._model.load_state_dict({key: from_array(arrays[f"model.{key}"], f"torch:{str(t.dtype)[6:]}")
                                          for key, t in current.items()})
