@@ -312,8 +312,6 @@ def run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
             rebuild = world.recover()
             lost = set(int(r) for r in rebuild.replaced)
             pending = True
-    with world.guard():
-        world.comm.Barrier()
     world.finish()
     return step
 
