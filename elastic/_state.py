@@ -32,7 +32,7 @@ def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
     if isinstance(value, np.ndarray) and value.dtype != object:
         return value, "numpy"
     if _is_tensor(value):
-        return _tensor_array(value), f"torch:{str(value.dtype).removeprefix('torch.')}"
+        return _tensor_array(value), _torch_kind(value.dtype)
     raise ConfigError(f"state value {name!r} is a {type(value).__name__}: a State holds numbers, numpy arrays "
                       "and torch tensors; convert it (np.asarray(...)) or keep it outside the State")
 
@@ -44,7 +44,7 @@ def from_array(array: np.ndarray, kind: str) -> Any:
     if kind.startswith("torch:"):
         import torch
         tensor = torch.from_numpy(np.array(array))
-        dtype = getattr(torch, kind[6:])
+        dtype = getattr(torch, kind.removeprefix("torch:"))
         return tensor.view(dtype) if tensor.dtype != dtype else tensor
     return array
 
@@ -81,6 +81,11 @@ class StepClock:
                 shown = f" loss {loss:.5f}" if loss is not None else ""
                 print(f"[train] step {step}{of}{shown}  {1 / max(outlook['step_seconds'], 1e-9):.1f} steps/s  "
                       f"{world.size} ranks  generation {world.generation}", flush=True)
+
+
+def _torch_kind(dtype: Any) -> str:
+    """'torch:float32' for torch.float32: how from_array knows to give a tensor back."""
+    return "torch:" + str(dtype).removeprefix("torch.")
 
 
 def _is_tensor(value: Any) -> bool:
@@ -294,7 +299,7 @@ class TorchState(State):
         super()._apply(plain)
         if self._model is not None and any(k.startswith("model.") for k in arrays):  # absent when all local
             current = self._model.state_dict()
-            self._model.load_state_dict({key: from_array(arrays[f"model.{key}"], f"torch:{str(t.dtype)[6:]}")
+            self._model.load_state_dict({key: from_array(arrays[f"model.{key}"], _torch_kind(t.dtype))
                                          for key, t in current.items()})
         if self._optimizer is not None and "optim.meta" in arrays:
             skeleton = pickle.loads(arrays["optim.meta"].tobytes())
@@ -306,16 +311,16 @@ class TorchState(State):
 
 
 class _TensorRef:
-    """Where a tensor stood in an optimizer's state_dict, and its dtype."""
+    """Where a tensor stood in an optimizer's state_dict, and its kind (dtype)."""
 
-    def __init__(self, path: str, dtype: str) -> None:
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: str, kind: str) -> None:
+        self.path, self.kind = path, kind
 
 
 def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
     if _is_tensor(obj):
         out[path] = obj
-        return _TensorRef(path, str(obj.dtype)[6:])
+        return _TensorRef(path, _torch_kind(obj.dtype))
     if isinstance(obj, dict):
         return {k: _strip_tensors(v, f"{path}.{k}" if path else str(k), out) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -325,7 +330,7 @@ def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
 
 def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
     if isinstance(obj, _TensorRef):
-        return from_array(arrays[f"optim.{obj.path}"], f"torch:{obj.dtype}")
+        return from_array(arrays[f"optim.{obj.path}"], obj.kind)
     if isinstance(obj, dict):
         return {k: _fill_tensors(v, arrays) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
