@@ -16,6 +16,7 @@ import numpy as np
 
 from elastic.comm import ConfigError, World, mpi_errors
 from elastic.recovery import ReplicatedStore, checksum
+from elastic.recovery._store import Adopt
 
 _PY_SCALARS = (bool, int, float, complex)
 PROGRESS_EVERY = 10  # steps between progress lines on rank 0
@@ -114,12 +115,15 @@ class State:
         replication: copies of each rank's committed state (2 survives any one failure).
         local: names (or first dotted parts) of values that may differ across ranks.
         chunk_bytes: the store's replication unit.
+        adopt: after a shrink, which survivor takes a removed rank's values: a function of
+            (removed, survivors) -> {removed: survivor}, the same on every rank (default round-robin).
     """
 
     def __init__(self, world: World, *, replication: int = 2, local: tuple[str, ...] = (),
-                 chunk_bytes: int = 1 << 20, **values: Any) -> None:
+                 chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, **values: Any) -> None:
         self._world = world
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
+        self._adopt = adopt
         self._local = frozenset(local)
         self._values: dict[str, Any] = {}
         self._kinds: dict[str, str] = {}
@@ -217,7 +221,7 @@ class State:
         """After ``World.recover()``: get lost state back from peers and roll back (collective)."""
         t0 = time.perf_counter()
         try:
-            self._store.recover()
+            self._store.recover(adopt=self._adopt)
         except ConfigError:
             if self.version is not None:
                 raise
@@ -260,34 +264,57 @@ class State:
 
 
 class TorchState(State):
-    """A torch model, its optimizer, the RNG states and any scalars, committed together.
+    """Torch models, their optimizers, the RNG states and any scalars, committed together.
 
-    Model parameters and buffers (``model.*``) and, unless ``shard_optimizer``,
-    the optimizer state (``optim.*``) must be equal on every rank (data
-    parallel); the RNG states (``rng.*``: torch, numpy, python) are per rank.
+    ``model`` / ``optimizer`` are stored as ``model.*`` / ``optim.*``; more
+    pairs go in ``modules={"name": (model, optimizer)}`` as ``name.model.*`` /
+    ``name.optim.*`` (a rank hosting several pipeline stages, say). Model
+    parameters and buffers and, unless ``shard_optimizer``, optimizer state
+    must be equal on every rank (data parallel) unless named in ``local``;
+    the RNG states (``rng.*``: torch, numpy, python) are per rank.
     Data-loader position is a scalar such as ``step`` (see ``GlobalBatches``).
+    After a shrink, a pair adopted from a removed rank waits as plain arrays
+    until ``bind(name, model, optimizer)`` loads it (see ``unbound()``).
     """
 
-    def __init__(self, world: World, *, model: Any = None, optimizer: Any = None, shard_optimizer: bool = False,
+    def __init__(self, world: World, *, model: Any = None, optimizer: Any = None,
+                 modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
-                 **values: Any) -> None:
+                 adopt: Adopt | None = None, **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
-        self._model = model
-        self._optimizer = optimizer
-        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, **values)
+        self._modules: dict[str, tuple[Any, Any]] = \
+            {"": (model, optimizer)} if model is not None or optimizer is not None else {}
+        self._modules.update(modules or {})
+        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
+                         **values)
+
+    def bind(self, name: str, model: Any, optimizer: Any = None) -> None:
+        """Host one more (model, optimizer) pair as ``name``, loading its values if this rank holds them (local)."""
+        self._modules[name] = (model, optimizer)
+        pre = f"{name}."
+        held = {k: self._values.pop(k) for k in [k for k in self._values if k.startswith(pre)]}
+        for k in held:
+            self._kinds.pop(k, None)
+        if held:
+            self._apply(held)
+
+    def unbound(self) -> list[str]:
+        """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
+        return sorted({k.split(".model.", 1)[0] for k in self._values if ".model." in k} - set(self._modules))
 
     def _capture(self) -> dict[str, np.ndarray]:
         import torch
         arrays = super()._capture()
-        if self._model is not None:
-            for key, tensor in self._model.state_dict().items():
-                arrays[f"model.{key}"] = _tensor_array(tensor)
-        if self._optimizer is not None:
-            tensors: dict[str, Any] = {}
-            skeleton = _strip_tensors(self._optimizer.state_dict(), "", tensors)
-            arrays["optim.meta"] = _pickled(skeleton)
-            for path, tensor in tensors.items():
-                arrays[f"optim.{path}"] = _tensor_array(tensor)
+        for name, (model, optimizer) in self._modules.items():
+            pre = f"{name}." if name else ""
+            if model is not None:
+                for key, tensor in model.state_dict().items():
+                    arrays[f"{pre}model.{key}"] = _tensor_array(tensor)
+            if optimizer is not None:
+                tensors: dict[str, Any] = {}
+                arrays[f"{pre}optim.meta"] = _pickled(_strip_tensors(optimizer.state_dict(), "", tensors))
+                for path, tensor in tensors.items():
+                    arrays[f"{pre}optim.{path}"] = _tensor_array(tensor)
         arrays["rng.torch"] = torch.get_rng_state().numpy()
         arrays["rng.numpy"] = _pickled(np.random.get_state())
         arrays["rng.python"] = _pickled(random.getstate())
@@ -295,15 +322,18 @@ class TorchState(State):
 
     def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
         import torch
-        plain = {k: v for k, v in arrays.items() if k.split(".", 1)[0] not in ("model", "optim", "rng")}
-        super()._apply(plain)
-        if self._model is not None and any(k.startswith("model.") for k in arrays):  # absent when all local
-            current = self._model.state_dict()
-            self._model.load_state_dict({key: from_array(arrays[f"model.{key}"], _torch_kind(t.dtype))
-                                         for key, t in current.items()})
-        if self._optimizer is not None and "optim.meta" in arrays:
-            skeleton = pickle.loads(arrays["optim.meta"].tobytes())
-            self._optimizer.load_state_dict(_fill_tensors(skeleton, arrays))
+        owned = lambda k: k.startswith("rng.") or any(  # noqa: E731
+            k.startswith(f"{name}.model." if name else "model.") or k.startswith(f"{name}.optim." if name else "optim.")
+            for name in self._modules)
+        super()._apply({k: v for k, v in arrays.items() if not owned(k)})
+        for name, (model, optimizer) in self._modules.items():
+            pre = f"{name}." if name else ""
+            if model is not None and any(k.startswith(f"{pre}model.") for k in arrays):  # absent when all local
+                model.load_state_dict({key: from_array(arrays[f"{pre}model.{key}"], _torch_kind(t.dtype))
+                                       for key, t in model.state_dict().items()})
+            if optimizer is not None and f"{pre}optim.meta" in arrays:
+                skeleton = pickle.loads(arrays[f"{pre}optim.meta"].tobytes())
+                optimizer.load_state_dict(_fill_tensors(skeleton, arrays, f"{pre}optim."))
         if "rng.torch" in arrays:
             torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"])))
             np.random.set_state(pickle.loads(arrays["rng.numpy"].tobytes()))
@@ -328,13 +358,13 @@ def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
     return obj
 
 
-def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str = "optim.") -> Any:
     if isinstance(obj, _TensorRef):
-        return from_array(arrays[f"optim.{obj.path}"], obj.kind)
+        return from_array(arrays[f"{prefix}{obj.path}"], obj.kind)
     if isinstance(obj, dict):
-        return {k: _fill_tensors(v, arrays) for k, v in obj.items()}
+        return {k: _fill_tensors(v, arrays, prefix) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_tensors(v, arrays) for v in obj)
+        return type(obj)(_fill_tensors(v, arrays, prefix) for v in obj)
     return obj
 
 

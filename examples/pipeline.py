@@ -10,8 +10,9 @@ weights live on its rank only, so losing the rank loses them. Ways back
 
 * ``replica``: the stage's weights and optimizer state are committed to the
   replicated store every ``--commit-every`` steps; a spare or spawned
-  process gets them back bit for bit and everyone rolls back to the commit
-  (bitwise the failure-free run).
+  process gets them back bit for bit, or after a shrink the neighbouring
+  stage's rank adopts them and hosts two stages; everyone rolls back to the
+  commit (bitwise the failure-free run).
 * ``checkfree``: no copy anywhere. A step's update is applied only after a
   ULFM Agree vote, so survivors never disagree on the step. An interior stage
   comes back as the average of its neighbours weighted by their last gradient
@@ -119,15 +120,22 @@ def route(micro: int, stages: int, plus: bool) -> list[tuple[str, int]]:
     return [("embed", 0)] + [("body", s) for s in bodies] + [("head", stages - 1)]
 
 
-def train_step(world: elastic.World, stage: Stage, me: int, stages: int, batch: torch.Tensor,
-               args: argparse.Namespace) -> float:
+def stage_hosts(world: elastic.World, hosted: dict[int, "Stage"]) -> dict[int, int]:
+    """stage -> the current rank hosting it (collective): after a shrink a rank hosts two."""
+    with world.guard():
+        return {s: r for r, stages in enumerate(world.comm.allgather(sorted(hosted))) for s in stages}
+
+
+def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, int], stages: int,
+               batch: torch.Tensor, args: argparse.Namespace) -> float:
     """Forward and backward of one global batch through the pipeline (collective over the stages).
 
-    Returns the batch loss (on every rank). Gradients are left in ``stage``; no update.
+    Returns the batch loss (on every rank). Gradients are left in the hosted stages; no update.
+    Hops between stages on the same rank stay local.
     """
     comm = world.comm
+    mine = int(world.rank)
     micro = batch.chunk(args.micro)
-    host = {s: int(world.current_rank_of(s)) for s in range(stages)}
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     loss_sum = 0.0
     shape = (micro[0].shape[0], args.seq, args.dim)
@@ -135,38 +143,38 @@ def train_step(world: elastic.World, stage: Stage, me: int, stages: int, batch: 
         for m, tokens in enumerate(micro):
             path = route(m, stages, args.checkfree_plus)
             for j, (part, s) in enumerate(path):
-                if s != me:
+                if s not in hosted:
                     continue
                 if j == 0:
                     inp = tokens[:, :-1]
-                elif path[j - 1][1] == me:
+                elif host[path[j - 1][1]] == mine:
                     inp = saved[(m, j - 1)][1].detach().requires_grad_()
                 else:
                     buf = np.empty(shape, np.float32)
                     comm.Recv(buf, source=host[path[j - 1][1]], tag=TAG + j)
                     inp = torch.from_numpy(buf).requires_grad_()
-                out = getattr(stage, part)(inp)
+                out = getattr(hosted[s], part)(inp)
                 if part == "head":
                     out = nn.functional.cross_entropy(out.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)) / args.micro
                     loss_sum += float(out)
                 saved[(m, j)] = (inp, out)
-                if j + 1 < len(path) and path[j + 1][1] != me:
+                if j + 1 < len(path) and host[path[j + 1][1]] != mine:
                     comm.Send(out.detach().numpy(), dest=host[path[j + 1][1]], tag=TAG + j + 1)
         for m in reversed(range(len(micro))):
             path = route(m, stages, args.checkfree_plus)
             for j in reversed(range(len(path))):
-                if path[j][1] != me:
+                if path[j][1] not in hosted:
                     continue
                 inp, out = saved[(m, j)]
                 if j == len(path) - 1:
                     out.backward()
-                elif path[j + 1][1] == me:
+                elif host[path[j + 1][1]] == mine:
                     out.backward(saved[(m, j + 1)][0].grad)
                 else:
                     grad = np.empty(shape, np.float32)
                     comm.Recv(grad, source=host[path[j + 1][1]], tag=TAG + 100 + j)
                     out.backward(torch.from_numpy(grad))
-                if j > 0 and path[j - 1][1] != me:
+                if j > 0 and host[path[j - 1][1]] != mine:
                     comm.Send(inp.grad.numpy(), dest=host[path[j - 1][1]], tag=TAG + 100 + j - 1)
         return float(comm.bcast(loss_sum, root=host[stages - 1]))
 
@@ -256,6 +264,11 @@ def share_end_copies(world: elastic.World, stage: Stage, me: int, stages: int, c
 
 
 # ------------------------------------------------------------------ the loops
+def next_to(removed: list[int], survivors: list[int]) -> dict[int, int]:
+    """After a shrink, a removed stage goes to a surviving neighbour (the one before it, if alive)."""
+    return {r: min(survivors, key=lambda s: (abs(s - r), s)) for r in removed}
+
+
 def vote(world: elastic.World, ok: bool) -> None:
     """A uniform end of step (ULFM Agree): every survivor applies the update, or none does."""
     with world.guard():
@@ -271,6 +284,7 @@ def run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
     pending = world.role is elastic.Role.RECOVERED
     clock = elastic.StepClock(world)
     clock.restart()
+    host = stage_hosts(world, {me: stage})
     while True:
         try:
             if pending:
@@ -285,13 +299,14 @@ def run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
                 else:
                     optimizer = rebuild_lost_stages(world, stage, optimizer, me, stages, lost, gnorm, copies, args)
                 pending = False
+                host = stage_hosts(world, {me: stage})
                 clock.restart()
             if step == args.steps:
                 break
             world.fault_point(step)
             optimizer.zero_grad()
             try:
-                loss = train_step(world, stage, me, stages, text[torch.from_numpy(batches.batch(step))], args)
+                loss = train_step(world, {me: stage}, host, stages, text[torch.from_numpy(batches.batch(step))], args)
                 ok = True
             except elastic.ProcessFailure:
                 ok = False
@@ -337,26 +352,40 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     text = make_text(args)
-    # One stage per rank: a lost stage needs a new process (spare or spawn); shrinking is not offered.
+    # Without copies a lost stage needs a new process to be rebuilt on (spare or spawn); with
+    # replicas a shrink may also hand it to a neighbour, which then hosts two stages.
     policy = elastic.Policy.from_env()
-    world = elastic.init(policy=dataclasses.replace(
-        policy, modes=tuple(m for m in policy.modes if m != "shrink") or ("spare", "spawn")))
+    if args.recovery != "replica":
+        policy = dataclasses.replace(policy, modes=tuple(m for m in policy.modes if m != "shrink") or ("spare", "spawn"))
+    world = elastic.init(policy=policy)
     stages, me = world.initial_size, int(world.logical_rank)
     args.checkpoint_dir = args.checkpoint_dir or os.environ.get("ELASTIC_RUN_DIR", ".")
     stage = Stage(me, stages, args)
     optimizer = torch.optim.Adam(stage.parameters(), lr=args.lr)
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
+    hosted = {me: stage}
     if args.recovery == "replica":
-        state = elastic.TorchState(world, model=stage, optimizer=optimizer, local=("model", "optim"), step=0)
+        optimizers = {me: optimizer}
+        state = elastic.TorchState(world, modules={f"s{me}": (stage, optimizer)}, step=0,
+                                   local=tuple(f"s{s}" for s in range(stages)), adopt=next_to)
 
         @elastic.run
         def train(world: elastic.World, state: elastic.TorchState) -> None:
+            for name in state.unbound():  # a removed neighbour's stage, adopted after a shrink
+                s = int(name[1:])
+                hosted[s] = Stage(s, stages, args)
+                optimizers[s] = torch.optim.Adam(hosted[s].parameters(), lr=args.lr)
+                state.bind(name, hosted[s], optimizers[s])
+                world.events.emit("stage_adopted", stage=s)
+            host = stage_hosts(world, hosted)
             while state.step < args.steps:
                 world.fault_point(state.step)
-                optimizer.zero_grad()
-                loss = train_step(world, stage, me, stages, text[torch.from_numpy(batches.batch(state.step))], args)
-                optimizer.step()
+                for opt in optimizers.values():
+                    opt.zero_grad()
+                loss = train_step(world, hosted, host, stages, text[torch.from_numpy(batches.batch(state.step))], args)
+                for opt in optimizers.values():
+                    opt.step()
                 state.step += 1
                 state.record_step(state.step, loss, total=args.steps)
                 if state.step % args.commit_every == 0:
@@ -367,12 +396,14 @@ def main() -> int:
     else:
         steps = run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
 
-    digest = hashlib.sha256(b"".join(v.detach().numpy().tobytes() for v in stage.state_dict().values())).hexdigest()
-    finite = all(bool(torch.isfinite(p).all()) for p in stage.parameters())
-    shapes_ok = all(a.shape == b.shape for a, b in zip(stage.state_dict().values(),
-                                                      Stage(me, stages, args).state_dict().values()))
+    mine = [{"stage": s, "sha256": hashlib.sha256(b"".join(v.detach().numpy().tobytes()
+                                                          for v in st.state_dict().values())).hexdigest(),
+             "finite": all(bool(torch.isfinite(p).all()) for p in st.parameters()),
+             "shapes_ok": all(a.shape == b.shape for a, b in zip(st.state_dict().values(),
+                                                                 Stage(s, stages, args).state_dict().values()))}
+            for s, st in sorted(hosted.items())]
     with world.guard():
-        report = world.comm.gather({"stage": me, "sha256": digest, "finite": finite, "shapes_ok": shapes_ok}, root=0)
+        report = sorted((r for part in world.comm.gather(mine, root=0) or [] for r in part), key=lambda r: r["stage"])
     if world.rank == 0:
         run_dir = os.environ.get("ELASTIC_RUN_DIR")
         print(f"[pipeline] {steps} steps, {stages} stages, recovery {args.recovery}, generation {world.generation}",

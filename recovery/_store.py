@@ -17,7 +17,7 @@ import dataclasses
 import os
 import socket
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import xxhash
@@ -28,6 +28,8 @@ from elastic.comm import ConfigError, ProcessFailure, World, mpi_errors
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 
 DOMAINS_ENV = "ELASTIC_DOMAINS"  # comma-separated failure domain per logical rank, for tests
+# Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
+Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
 
 
 def checksum(data: np.ndarray) -> int:
@@ -122,7 +124,7 @@ class ReplicatedStore:
             return []
         return sorted({f.owner for f in self._current.metas[int(self.world.logical_rank)].fields})
 
-    def recover(self, adopt: Mapping[int, int] | None = None) -> None:
+    def recover(self, adopt: Adopt | None = None) -> None:
         """Bring the dead ranks' state back from peers' memory (collective over the new active ranks).
 
         Call right after ``World.recover()``; who needs what is derived from
@@ -130,7 +132,8 @@ class ReplicatedStore:
         another failure is simply called again. A replacement (spare or spawned)
         receives its logical rank's state; after a shrink, the state of each
         removed logical rank goes to ``adopt[removed] -> surviving logical rank``
-        (default: round-robin over the survivors). Corrupted copies are detected
+        (``adopt`` may also be a function of (removed, survivors) giving that
+        mapping, the same on every rank; default: round-robin over the survivors). Corrupted copies are detected
         by checksum and fetched from another replica. Ends by re-replicating the
         agreed version over the new world, so the next failure is survivable.
 
@@ -154,9 +157,11 @@ class ReplicatedStore:
         # Dead: committed the version but no live process holds it now (killed, replaced, or removed).
         dead = set(ranks) - holders
         survivors = sorted(holders)
+        removed = sorted(set(ranks) - set(active))
         if adopt is None:
-            removed = sorted(set(ranks) - set(active))
             adopt = {o: survivors[i % len(survivors)] for i, o in enumerate(removed)}
+        elif callable(adopt):
+            adopt = adopt(removed, survivors)
         receiver = {o: (o if o in active else int(adopt[o])) for o in dead}
         mine_before = self._current if me in holders else None
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Pipeline stages lost to real kills: an exact replica, or CheckFree(+) from the neighbours.
 
 The replica path must end bitwise where a failure-free run ends (every stage's
-weights hashed). CheckFree cannot be exact; its rebuilt weights must be finite
+weights hashed), on a spare, a spawned process, or (shrink) a neighbour that
+then hosts two stages. CheckFree cannot be exact; its rebuilt weights must be finite
 and of the right shapes, and after the failure its training loss must stay
 below that of re-initialising the lost stage at random (same seed, same kill):
 the mean loss over the steps after the kill is compared, run against run.
@@ -34,11 +35,16 @@ def failure_free(tmp_path_factory) -> list[str]:
     return hashes(launch(tmp_path_factory.mktemp("pipe"), 4, program=PIPE + SHORT))
 
 
-@pytest.mark.parametrize("stage, how", [(1, ("--spares", "1")), (0, ("--spares", "1")), (3, ("--rebuild", "spawn"))])
-def test_replica_brings_the_stage_back_bitwise(tmp_path, failure_free, stage, how):
+@pytest.mark.parametrize("stage, how, neighbour", [
+    (1, ("--spares", "1"), None), (0, ("--spares", "1"), None), (3, ("--rebuild", "spawn"), None),
+    (2, ("--rebuild", "shrink"), 1), (0, ("--rebuild", "shrink"), 1)])
+def test_replica_brings_the_stage_back_bitwise(tmp_path, failure_free, stage, how, neighbour):
     job = launch(tmp_path, 4, *how, "--inject", f"{stage}@17", program=PIPE + SHORT)
     assert hashes(job) == failure_free
     assert {e["version"] for e in job.of("state_restored")} == {3}  # committed at step 15
+    # After a shrink the stage lives on with its neighbour, which then hosts two stages.
+    adopted = [(e["stage"], e["logical"]) for e in job.of("stage_adopted")]
+    assert adopted == ([] if neighbour is None else [(stage, neighbour)])
 
 
 @pytest.mark.parametrize("stage, method", [(2, "checkfree"), (0, "checkfree+"), (3, "checkfree+")])
