@@ -366,18 +366,21 @@ def main() -> int:
 
     hosted = {me: stage}
     if args.recovery == "replica":
-        optimizers = {me: optimizer}
+        optimizers, announced = {me: optimizer}, []
         state = elastic.TorchState(world, modules={f"s{me}": (stage, optimizer)}, step=0,
                                    local=tuple(f"s{s}" for s in range(stages)), adopt=next_to)
 
         @elastic.run
         def train(world: elastic.World, state: elastic.TorchState) -> None:
+            if world.role is elastic.Role.RECOVERED and state.step and not announced:  # a spare or spawned stage
+                world.events.emit("stage_rebuilt", stage=me, method="replica", sources=[])
+                announced.append(me)
             for name in state.unbound():  # a removed neighbour's stage, adopted after a shrink
                 s = int(name[1:])
                 hosted[s] = Stage(s, stages, args)
                 optimizers[s] = torch.optim.Adam(hosted[s].parameters(), lr=args.lr)
                 state.bind(name, hosted[s], optimizers[s])
-                world.events.emit("stage_adopted", stage=s)
+                world.events.emit("stage_rebuilt", stage=s, method="replica", sources=[], adopted=True)
             host = stage_hosts(world, hosted)
             while state.step < args.steps:
                 world.fault_point(state.step)

@@ -42,9 +42,10 @@ def test_replica_brings_the_stage_back_bitwise(tmp_path, failure_free, stage, ho
     job = launch(tmp_path, 4, *how, "--inject", f"{stage}@17", program=PIPE + SHORT)
     assert hashes(job) == failure_free
     assert {e["version"] for e in job.of("state_restored")} == {3}  # committed at step 15
-    # After a shrink the stage lives on with its neighbour, which then hosts two stages.
-    adopted = [(e["stage"], e["logical"]) for e in job.of("stage_adopted")]
-    assert adopted == ([] if neighbour is None else [(stage, neighbour)])
+    # Which way it came back is in the events; after a shrink the stage lives on with its
+    # neighbour, which then hosts two stages.
+    rebuilt = [(e["stage"], e["method"], e["logical"], e.get("adopted", False)) for e in job.of("stage_rebuilt")]
+    assert rebuilt == [(stage, "replica", stage if neighbour is None else neighbour, neighbour is not None)]
 
 
 @pytest.mark.parametrize("stage, method", [(2, "checkfree"), (0, "checkfree+"), (3, "checkfree+")])
