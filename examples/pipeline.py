@@ -372,7 +372,7 @@ def main() -> int:
 
         @elastic.run
         def train(world: elastic.World, state: elastic.TorchState) -> None:
-            if world.role is elastic.Role.RECOVERED and state.step and not announced:  # a spare or spawned stage
+            if world.role is elastic.Role.RECOVERED and not announced:  # a spare or spawned process
                 world.events.emit("stage_rebuilt", stage=me, method="replica", sources=[])
                 announced.append(me)
             for name in state.unbound():  # a removed neighbour's stage, adopted after a shrink
