@@ -110,14 +110,23 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def plot(run_dir: Path, out: Path, baseline: Path | None = None) -> None:
-    """Loss against step and against wall time, failures marked, the failure-free run beside it."""
+def pyplot(required: bool = True):
+    """matplotlib.pyplot without a display; None (with a note) or SystemExit when it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit("the plot needs matplotlib: pip install 'ulfm-elastic[plot]'") from exc
+        if required:
+            raise SystemExit("the plot needs matplotlib: pip install 'ulfm-elastic[plot]'") from exc
+        print("(no plot: pip install 'ulfm-elastic[plot]')")
+        return None
+    return plt
+
+
+def plot(run_dir: Path, out: Path, baseline: Path | None = None) -> None:
+    """Loss against step and against wall time, failures marked, the failure-free run beside it."""
+    plt = pyplot()
     events = read_events(run_dir)
     t0 = min(e["t"] for e in events if e["event"] == "started")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))

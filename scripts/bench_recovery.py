@@ -283,12 +283,9 @@ def main() -> int:
 
 
 def _plot(results: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: pip install matplotlib)")
+    from elastic.report import pyplot
+    plt = pyplot(required=False)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['ranks']}x{r['mb']}MB" for r in results]

@@ -92,12 +92,9 @@ def main() -> int:
 
 
 def _plot(results: dict[str, dict[str, dict]], out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: pip install matplotlib)")
+    from elastic.report import pyplot
+    plt = pyplot(required=False)
+    if plt is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(results), figsize=(12, 4), sharey=True)

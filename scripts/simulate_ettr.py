@@ -136,12 +136,8 @@ def _duration(seconds: float) -> str:
 
 
 def _plot(rows: list[dict], ranks: list[int], out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit("the plot needs matplotlib: pip install 'ulfm-elastic[plot]'") from exc
+    from elastic.report import pyplot
+    plt = pyplot()
     sources = list(RANK_MTBF_H)
     fig, axes = plt.subplots(1, len(sources), figsize=(11, 4), sharey=True)
     for ax, source in zip(axes, sources):
