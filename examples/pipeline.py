@@ -156,7 +156,7 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
                 out = getattr(hosted[s], part)(inp)
                 if part == "head":
                     out = nn.functional.cross_entropy(out.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)) / args.micro
-                    loss_sum += float(out)
+                    loss_sum += float(out.detach())
                 saved[(m, j)] = (inp, out)
                 if j + 1 < len(path) and host[path[j + 1][1]] != mine:
                     comm.Send(out.detach().numpy(), dest=host[path[j + 1][1]], tag=TAG + j + 1)
@@ -284,7 +284,8 @@ def run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
     pending = world.role is elastic.Role.RECOVERED
     clock = elastic.StepClock(world)
     clock.restart()
-    host = stage_hosts(world, {me: stage})
+    # A replacement computes the hosts with the survivors, after the rebuild (same collective order).
+    host = {} if pending else stage_hosts(world, {me: stage})
     while True:
         try:
             if pending:
