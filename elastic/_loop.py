@@ -137,18 +137,27 @@ class GlobalBatches:
         if not 0 < batch_size <= num_samples:
             raise ConfigError(f"batch_size={batch_size} with {num_samples} samples: need 0 < batch_size <= samples")
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self._orders: dict[int, np.ndarray] = {}
 
     def batch(self, step: int) -> np.ndarray:
         """The sample indices of global batch ``step`` (local)."""
-        start = step * self.batch_size
+        start, wanted = step * self.batch_size, self.batch_size
         out: list[np.ndarray] = []
-        while sum(map(len, out)) < self.batch_size:
+        while wanted:
             epoch, offset = divmod(start, self.num_samples)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            take = order[offset:offset + self.batch_size - sum(map(len, out))]
+            take = self._order(epoch)[offset:offset + wanted]
             out.append(take)
-            start += len(take)
+            start, wanted = start + len(take), wanted - len(take)
         return np.concatenate(out)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s permutation, drawn once: a step asks for it again (and a batch that
+        crosses an epoch's end asks for two), and drawing it costs O(samples)."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # the walk only moves forward, except after a roll-back
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._orders[epoch]
 
     def shard(self, step: int, world: World) -> np.ndarray:
         """This rank's part of global batch ``step`` (local; uneven when the size does not divide)."""
