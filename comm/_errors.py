@@ -1,11 +1,22 @@
 """The project's exceptions, split by how the caller recovers, and the one place
-where MPI errors become them."""
+where MPI errors become them.
+
+Two ways an error can end a process, told apart by ``is_agreed``:
+
+* agreed: raised on every process of the job alike, after a vote (``Unrecoverable``
+  when the policy cannot go on, ``DataLost``, a commit refused). Every process
+  then leaves together and the job stops with that error.
+* anything else (a bug in one rank, ``sys.exit``, an injected fault): this
+  process's own failure. It leaves at once in a way the others detect, and
+  they recover from it as from a kill.
+"""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, TypeVar
 
-from mpi4py import MPI
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class ElasticError(Exception):
@@ -32,11 +43,34 @@ class ConfigError(ElasticError, ValueError):
     """A configuration value is wrong; the message says what to set instead."""
 
 
-# Error classes that mean "membership changed": recover, do not crash.
-_FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+E = TypeVar("E", bound=BaseException)
+# The last agreed error that ended the job here: even if the program catches it and ends
+# quietly, the job is over, so the process must leave together with the others.
+last_agreed: list[BaseException] = []
 
 
-def translate(exc: MPI.Exception, comm: MPI.Comm | None = None) -> ElasticError:
+def agreed(exc: E, final: bool = True) -> E:
+    """Mark ``exc`` as raised on every process alike (local): ``raise elastic.agreed(MyError(...))``.
+
+    For errors every rank decides the same way from data they all hold (a
+    loss that is NaN after the all-reduce, a plan computed from the agreed
+    rebuild): uncaught, they end the job together with exit status 1, instead
+    of each counting as that rank's own failure to recover from.
+
+    ``final``: the job cannot go on (not so for a refused commit, which a
+    program may catch and then train on from the last version).
+    """
+    exc.elastic_agreed = True  # type: ignore[attr-defined]
+    if final:
+        last_agreed[:] = [exc]
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    return bool(getattr(exc, "elastic_agreed", False))
+
+
+def translate(exc: "MPI.Exception", comm: "MPI.Comm | None" = None) -> ElasticError:
     """Map an mpi4py error to the project's exception (local, no communication).
 
     ULFM sometimes reports a dead peer inside a collective as ERR_OTHER (seen
@@ -44,8 +78,10 @@ def translate(exc: MPI.Exception, comm: MPI.Comm | None = None) -> ElasticError:
     the failure as ERR_IN_STATUS; when ``comm`` already knows of a failed
     process (or is revoked) such an error is treated as a process failure too.
     """
+    from mpi4py import MPI
+
     cls = exc.Get_error_class()
-    if cls in _FAILURE_CLASSES:
+    if cls in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED):
         return ProcessFailure(f"MPI reported a process failure: {exc.Get_error_string()}", cls)
     if comm is not None and cls in (MPI.ERR_OTHER, MPI.ERR_IN_STATUS):
         try:
@@ -57,8 +93,10 @@ def translate(exc: MPI.Exception, comm: MPI.Comm | None = None) -> ElasticError:
 
 
 @contextlib.contextmanager
-def mpi_errors(comm: MPI.Comm | None = None) -> Iterator[None]:
+def mpi_errors(comm: "MPI.Comm | None" = None) -> Iterator[None]:
     """Run MPI calls, re-raising their errors as the project's exceptions."""
+    from mpi4py import MPI
+
     try:
         yield
     except MPI.Exception as exc:

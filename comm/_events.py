@@ -44,7 +44,7 @@ class EventLog:
             return
         record = {"status": status, "t": time.time(), "pid": os.getpid(),
                   "host": socket.gethostname(), **self._context(), **fields}
-        path = self.run_dir / f"outcome-{socket.gethostname()}-{os.getpid()}.json"
+        path = outcome_path(self.run_dir, socket.gethostname(), os.getpid())
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, default=_jsonable))
         tmp.replace(path)
@@ -69,5 +69,62 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def read_outcomes(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every process's outcome record (a process that died unexpectedly has none)."""
+    """Every process's outcome record: what the program said of its own end (a process that
+    died unexpectedly has none)."""
     return [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("outcome-*.json"))]
+
+
+def read_fates(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """How each process ended, as its sentinel saw it (``elastic.comm._sentinel``)."""
+    return [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("fate-*.json"))]
+
+
+def outcome_path(run_dir: str | os.PathLike[str], host: str, pid: int) -> Path:
+    return Path(run_dir) / f"outcome-{host}-{pid}.json"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) -> dict[str, Any] | None:
+    """How a process ended, from what it wrote (its outcome) and what its sentinel saw (its fate).
+
+    Returns ``{"what", "step", "injected", "software"}`` or None when neither
+    says anything. ``software``: an error of the program (an exception, a
+    non-zero exit), which a recovery replays at the same step, as opposed to a
+    signal or a hang, which come from outside.
+    """
+    if outcome is not None and outcome["status"].startswith("injected-"):
+        injection = outcome.get("injection", {})
+        where = f"step {injection['step']}" if injection.get("step") is not None else injection.get("point")
+        return {"what": f"injected {injection.get('action')} at {where}", "step": outcome.get("step"),
+                "injected": True, "software": False}
+    if outcome is not None and outcome["status"] == "spawn-abandoned":
+        return {"what": "a spawned replacement given up by its parents (a failure during the spawn)",
+                "step": None, "injected": False, "software": False}
+    if outcome is not None and outcome["status"] in ("failed", "error"):
+        return {"what": f"{outcome['kind']}: {outcome['message']}", "step": outcome.get("step"),
+                "injected": False, "software": True}
+    if fate is None:
+        return None
+    end = fate["end"]
+    if end == "died":
+        what = f"exited with code {fate['code']}" if "code" in fate else f"killed by {fate['signal']}"
+    else:
+        what = {"hung": f"hung (no heartbeat for {fate.get('seconds')} s), killed by its sentinel",
+                "no-progress": f"made no progress for {fate.get('seconds')} s, killed by its sentinel",
+                "deadline": "missed its join deadline (a spawn given up), killed by its sentinel",
+                "stuck-exiting": "hung while leaving (MPI_Finalize), killed by its sentinel",
+                "terminated": f"terminated by {fate.get('signal')}",
+                "exited": f"left with code {fate.get('code')}"}.get(end, end)
+    return {"what": what, "step": fate.get("step"), "injected": False, "software": end == "died" and "code" in fate}
+
+
+def read_cause(run_dir: str | os.PathLike[str], host: str, pid: int) -> dict[str, Any] | None:
+    """``describe_end`` of the process ``pid`` on ``host``, from its files in ``run_dir`` (local)."""
+    return describe_end(_read_json(outcome_path(run_dir, host, pid)),
+                        _read_json(Path(run_dir) / f"fate-{host}-{pid}.json"))

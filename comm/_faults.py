@@ -6,15 +6,23 @@ the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
 ``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
 ``2@c5:hang`` (hang in the middle of step 5's collective), ``3@rebuild/g0``
 (die in the middle of the first rebuild), ``1@commit4`` (die in the middle
-of the commit of version 4), ``2@restore`` (die while sending recovery data).
+of the commit of version 4), ``2@restore`` (die while sending recovery data),
+``0@spawn`` (die while a replacement is being spawned), ``s0@park:hang``
+(the first parked spare hangs).
 
 Points: ``step`` (``World.fault_point(step)``, called by the user loop),
 ``collective`` (inside ``World.Allgather`` after the exchange started),
 ``commit`` / ``restore`` (inside the replicated store's transfers),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
-agreed, before the communicator is rebuilt). An entry fires only in the
-generation ``gen`` (default 0), so a replacement that replays the same step
-does not die again.
+agreed, before the communicator is rebuilt), ``spawn`` (after ``Spawn``
+returned, before the new process is merged in), ``park`` (a spare, as soon as
+it parks: there ``rank`` counts the spares, 0 being the first). An entry fires
+only in the generation ``gen`` (default 0), so a replacement that replays the
+same step does not die again.
+
+Actions: ``kill`` (SIGKILL), ``exit`` (``os._exit(3)``: a non-zero exit
+without a signal), ``raise`` (``InjectedFault``, an exception in user code),
+``hang`` (SIGSTOP: found by the sentinel's heartbeat, or ``--detector``).
 """
 from __future__ import annotations
 
@@ -28,8 +36,10 @@ from typing import Callable
 from ._errors import ConfigError, ElasticError
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore")
-ACTIONS = ("kill", "raise", "hang")
+POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park")
+ACTIONS = ("kill", "exit", "raise", "hang")
+STEP_POINTS = ("step", "collective", "commit")
+EXIT_CODE = 3  # what the ``exit`` action exits with
 
 
 class InjectedFault(ElasticError):
@@ -49,8 +59,10 @@ class Injection:
             raise ConfigError(f"fault injection point {self.point!r}: use one of {POINTS}")
         if self.action not in ACTIONS:
             raise ConfigError(f"fault injection action {self.action!r}: use one of {ACTIONS}")
-        if self.point in ("step", "collective", "commit") and self.step is None:
+        if self.point in STEP_POINTS and self.step is None:
             raise ConfigError(f"fault injection at point {self.point!r} needs a step")
+        if self.rank < 0:
+            raise ConfigError(f"fault injection rank {self.rank}: ranks count from 0")
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -72,7 +84,7 @@ def parse_schedule(text: str | None) -> tuple[Injection, ...]:
             raise
         raise ConfigError(
             f"cannot parse {INJECT_ENV}={text!r} ({exc}); write e.g. '1@3', '1@3,2@3', "
-            "'2@c5:hang', '3@rebuild/g1' or a JSON list of {rank, step, point, action, gen}") from exc
+            "'2@c5:hang', '3@rebuild/g1', 's0@park:hang' or a JSON list of {rank, step, point, action, gen}") from exc
 
 
 def _parse_compact(item: str) -> Injection:
@@ -85,8 +97,11 @@ def _parse_compact(item: str) -> Injection:
     if ":" in item:
         item, action = item.split(":", 1)
     rank_text, where = item.split("@", 1)
-    if where in ("agree", "rebuild", "restore"):
-        return Injection(int(rank_text), None, where, action, gen)
+    if rank_text.startswith("s") != (where == "park"):
+        raise ConfigError(f"fault injection {item!r}: a parked spare is named sK@park (K counts the spares), "
+                          "an active rank by its logical rank")
+    if where in ("agree", "rebuild", "restore", "spawn", "park"):
+        return Injection(int(rank_text.removeprefix("s")), None, where, action, gen)
     if where.startswith("commit"):
         return Injection(int(rank_text), int(where[6:]), "commit", action, gen)
     if where.startswith("c"):
@@ -108,6 +123,8 @@ class FaultInjector:
                 self._announce(entry)
                 if entry.action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                elif entry.action == "exit":
+                    os._exit(EXIT_CODE)
                 elif entry.action == "hang":
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:

@@ -13,20 +13,34 @@
                 state.commit()                          # replicated in peers' memory
 
     train(world, state)
-"""
-from elastic.comm import (
-    ConfigError, CurrentRank, ElasticError, LogicalRank, ProcessFailure, Rebuild, Role, UlfmUnavailable,
-    Unrecoverable, World,
-)
-from elastic.recovery import DataLost, Policy
 
-from ._loop import GlobalBatches, allreduce_gradients, init, micro_batches, run
-from ._state import State, StepClock, TorchState
+Importing ``elastic`` does not start MPI: the names below load their modules on
+first use, so tools (``python -m elastic.launch``, ``elastic.report``) never do.
+"""
+from typing import TYPE_CHECKING
+
+from elastic.comm import (
+    ConfigError, CurrentRank, ElasticError, LogicalRank, ProcessFailure, Role, UlfmUnavailable, Unrecoverable, agreed,
+)
+from elastic.comm._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from elastic.comm import Rebuild, World
+    from elastic.recovery import DataLost, Policy
+
+    from ._loop import GlobalBatches, allreduce_gradients, init, micro_batches, run
+    from ._state import State, StepClock, TorchState
 
 __version__ = "0.1.0"
+
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "init": "._loop", "run": "._loop", "allreduce_gradients": "._loop", "GlobalBatches": "._loop",
+    "micro_batches": "._loop", "State": "._state", "TorchState": "._state", "StepClock": "._state",
+    "World": "elastic.comm", "Rebuild": "elastic.comm", "DataLost": "elastic.recovery", "Policy": "elastic.recovery",
+})
 
 __all__ = [
     "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy", "StepClock",
     "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
-    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost",
+    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost", "agreed",
 ]

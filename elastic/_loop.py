@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 
 from elastic.comm import ConfigError, ProcessFailure, Role, Unrecoverable, World, init as _comm_init
+from elastic.comm._errors import agreed
 from elastic.recovery import Policy
 
 from ._state import State
@@ -62,29 +63,43 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
         reset = world.role is Role.RECOVERED
-        failures, committed_at_failure = 0, state.version
         while True:
             try:
+                resumed = reset
                 if reset:
+                    _check_streak(world, limit)
                     state._recover()
                     reset = False
                 state.sync()
-                if failures:
-                    world.events.emit("resumed", version=state.version, failures=failures)
-                result = func(world, state, *args, **kwargs)
+                if resumed and world.last_rebuild is not None:
+                    world.events.emit("resumed", version=state.version, failures=world.last_rebuild.streak)
+                try:
+                    result = func(world, state, *args, **kwargs)
+                except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
+                    world.lifecycle.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
                 state.commit()
                 world.finish()
                 return result
-            except ProcessFailure as exc:
-                failures = failures + 1 if state.version == committed_at_failure else 1
-                committed_at_failure = state.version
-                if failures > limit:
-                    raise Unrecoverable(f"{failures} failures in a row without a successful commit "
-                                        f"(max_failures={limit}); last error: {exc}") from exc
+            except ProcessFailure:
                 world.recover()
                 reset = True
 
     return wrapper
+
+
+def _check_streak(world: World, limit: int) -> None:
+    """Stop when more rebuilds than ``limit`` came without a successful commit between them.
+
+    The count comes with the rebuild's agreed summary, so every process, a
+    promoted spare or a spawned one too, stops alike.
+    """
+    rebuild = world.last_rebuild
+    if rebuild is None or rebuild.streak <= limit:
+        return
+    causes = "; ".join(f"logical rank {c.get('logical')}: {c['what']}" for c in rebuild.causes)
+    raise agreed(Unrecoverable(
+        f"{rebuild.streak} failures in a row without a successful commit (max_failures={limit}); last failure: "
+        f"logical ranks {sorted(map(int, rebuild.failed))}" + (f" ({causes})" if causes else "")))
 
 
 def allreduce_gradients(world: World, model: Any, bucket_bytes: int = 4 << 20, step: int | None = None) -> None:

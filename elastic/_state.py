@@ -14,7 +14,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, World, mpi_errors
+from elastic.comm import ConfigError, World
+from elastic.comm._errors import agreed
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
@@ -201,19 +202,18 @@ class State:
         checks that every rank restored the same version.
         """
         world = self._world
-        with mpi_errors(world.comm):
-            versions = world.comm.allgather(self.version)
-            if len(set(versions)) != 1:
-                raise ConfigError(f"ranks restored different versions {versions}: the store's agreement broke")
-            if versions[0] is None:
-                shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
-                self._apply(world.comm.bcast(shared, root=world.first_survivor))
+        versions = world.allgather(self.version)
+        if len(set(versions)) != 1:
+            raise agreed(ConfigError(f"ranks restored different versions {versions}: the store's agreement broke"))
         if versions[0] is None:
+            shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
+            self._apply(world.bcast(shared, root=world.first_survivor))
             self.commit()
         self._clock.restart()
 
     def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
         """Note that a training step finished (local); see ``StepClock.step_done``."""
+        self._world.progress(step)
         self._clock.step_done(step, loss, total, **metrics)
 
     # ------------------------------------------------------------ internals
@@ -245,8 +245,7 @@ class State:
         world = self._world
         sums = {name: (a.dtype.str, a.shape, checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
                 for name, a in arrays.items() if not self._is_local(name)}
-        with mpi_errors(world.comm):
-            everyone = world.comm.allgather(sums)
+        everyone = world.allgather(sums)
         ranks = [int(r) for r in world.logical_ranks]
         bad: dict[str, list[int]] = {}
         for name in sorted(set().union(*everyone)):
@@ -258,9 +257,10 @@ class State:
             listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
                                for n, r in list(bad.items())[:5])
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise ConfigError(f"commit rejected, the last version is kept: state that must be equal across "
-                              f"ranks differs: {listed}{more}. Keep replicas in step (same seed, same all-reduced "
-                              "gradients), or name per-rank values in local=(...)")
+            raise agreed(ConfigError(
+                f"commit rejected, the last version is kept: state that must be equal across ranks differs: "
+                f"{listed}{more}. Keep replicas in step (same seed, same all-reduced gradients), or name per-rank "
+                "values in local=(...)"), final=False)
 
 
 class TorchState(State):

@@ -3,10 +3,15 @@
     python -m elastic.launch -n 4 --spares 1 --inject 1@10 -- python examples/jacobi.py
     python -m elastic.launch --slurm --spares 1 -- python examples/train.py   # inside sbatch / salloc
 
-ULFM's mpiexec exit status says nothing about which ranks died on purpose, so
-every process writes an outcome file and this launcher decides from those:
-exit 0 when the job finished and every death was an injected one, 1 when a
-process died unexpectedly or none finished, 124 when the job timed out.
+Every rank runs under a sentinel (``elastic.comm._sentinel``) that makes each
+way a rank can end or stall (a crash, a non-zero exit, an exception, a hang) a
+failure the survivors see at once. ULFM's mpiexec exit status says nothing about
+which ranks died or why, so every process writes an outcome file, every
+sentinel a fate file, and this launcher decides from those, as mpirun and
+torchrun users expect: exit 0 when the training finished, whatever ranks died
+on the way (each death is listed); 1 when it did not; 124 when ``--timeout``
+ran out; 128 + N when the launcher got signal N (SIGTERM, SIGINT: passed on to
+the ranks, which get ``--grace`` seconds before every process left is killed).
 """
 from __future__ import annotations
 
@@ -17,13 +22,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO, Any
 
-from elastic.comm import read_outcomes
+from elastic.comm import ConfigError, Injection, parse_schedule, read_events, read_fates, read_outcomes
+from elastic.comm._events import describe_end
+from elastic.comm._sentinel import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT_ENV, PROGRESS_TIMEOUT_ENV, TERM_GRACE_ENV
+from elastic.comm._settings import MIN_SIZE_ENV, REBUILD_ENV, SPARES_ENV
 
 _EXPECTED_END = ("finished", "spare-unused")
+LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
+# Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
+_NOISE = b"NBC_Progress: an error"
 
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
@@ -68,33 +81,105 @@ def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
         cmd += ["--mca", key, value]
     for name in sorted(_job_env(args)):
         cmd += ["-x", name]
-    return cmd + args.command
+    # The sentinel runs with this launcher's Python; the program with whatever the command names.
+    return cmd + [sys.executable, "-m", "elastic.comm._sentinel", "--"] + args.command
 
 
 def _job_env(args: argparse.Namespace) -> dict[str, str]:
     # Every ELASTIC_* setting of the caller travels with the job (on other hosts too, through -x).
     env = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_")}
-    env.update({"ELASTIC_RUN_DIR": str(args.run_dir), "ELASTIC_SPARES": str(args.spares), "PYTHONUNBUFFERED": "1"})
+    env.update({"ELASTIC_RUN_DIR": str(args.run_dir), SPARES_ENV: str(args.spares), "PYTHONUNBUFFERED": "1",
+                HANG_TIMEOUT_ENV: f"{args.hang_timeout:g}", PROGRESS_TIMEOUT_ENV: f"{args.progress_timeout:g}",
+                TERM_GRACE_ENV: f"{args.grace:g}"})
     if args.rebuild:
-        env["ELASTIC_REBUILD"] = args.rebuild
+        env[REBUILD_ENV] = args.rebuild
     if args.inject:
         env["ELASTIC_INJECT"] = args.inject
     if args.min_size:
-        env["ELASTIC_MIN_SIZE"] = str(args.min_size)
+        env[MIN_SIZE_ENV] = str(args.min_size)
     return env
 
 
-def summarize(run_dir: Path) -> tuple[bool, list[dict], list[str]]:
-    """(job ok, outcomes, pids that died without a word) from a run directory."""
-    outcomes = read_outcomes(run_dir)
-    spoke = {str(o["pid"]) for o in outcomes}
-    silent = sorted(p.stem.rsplit("-", 1)[-1] for p in run_dir.glob("events-*.jsonl")
-                    if p.stem.rsplit("-", 1)[-1] not in spoke)
-    unexpected = [o for o in outcomes if o["status"] not in _EXPECTED_END and not o["status"].startswith("injected")]
-    finished = [o for o in outcomes if o["status"] == "finished"]
-    return bool(finished) and not silent and not unexpected, outcomes, silent
+# ---------------------------------------------------------------------------- the outcome
+def summarize(run_dir: Path, schedule: tuple[Injection, ...] = ()) -> dict[str, Any]:
+    """What became of the job and of each process, from the files they wrote (local).
+
+    ``finished``: the training finished (some process finished, none stopped the
+    job with an error, none failed after finishing). ``deaths``: every process
+    that did not leave together with the others, with how it ended. ``never_fired``: schedule
+    entries that no process announced.
+    """
+    outcomes = {o["pid"]: o for o in read_outcomes(run_dir)}
+    fates = {f["pid"]: f for f in read_fates(run_dir)}
+    events = read_events(run_dir)
+    last_seen: dict[int, dict] = {}
+    for e in events:
+        last_seen[e["pid"]] = e
+    pids = sorted(set(outcomes) | set(fates) | set(last_seen))
+    deaths = []
+    for pid in pids:
+        outcome, fate, seen = outcomes.get(pid), fates.get(pid), last_seen.get(pid, {})
+        status = outcome["status"] if outcome else None
+        left_together = status in _EXPECTED_END + ("error",) and not outcome.get("after_finish") and \
+            (fate is None or fate["end"] == "exited")
+        if left_together:  # finished, released, or stopped with the job's agreed error (told once, below)
+            continue
+        logical = (outcome or seen).get("logical")
+        deaths.append({"pid": pid, "logical": logical, "gen": (outcome or seen).get("gen"),
+                       "role": (outcome or seen).get("role"), "status": status, "how": _how(outcome, fate),
+                       "injected": bool(status and status.startswith("injected-"))})
+    statuses = [o["status"] for o in outcomes.values()]
+    stop = next((o for o in outcomes.values() if o["status"] == "error"), None)
+    after_finish = [o for o in outcomes.values() if o.get("after_finish")]
+    finished = "finished" in statuses and stop is None and not after_finish
+    fired = {(e["rank"], e["step"], e["point"], e["action"], e["gen"]) for e in events if e["event"] == "inject"}
+    never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen) not in fired]
+    counts: dict[str, int] = {}
+    for pid in pids:  # by what the process said, else by what its sentinel saw
+        key = outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
+            "died without a word"
+        counts[key] = counts.get(key, 0) + 1
+    return {"finished": finished, "processes": len(pids), "counts": counts, "deaths": deaths,
+            "stopped_by": {"kind": stop["kind"], "message": stop["message"]} if stop else None,
+            "never_fired": [i.to_dict() for i in never], "outcomes": list(outcomes.values()),
+            "fates": list(fates.values())}
 
 
+def _how(outcome: dict | None, fate: dict | None) -> str:
+    """One line on how a process ended."""
+    end = describe_end(outcome, fate)
+    if end is None:
+        return "died without a word (no outcome, no sentinel record)"
+    if outcome is not None and outcome["status"] in ("failed", "error"):
+        scope = "stopped the job" if outcome["status"] == "error" else "failed"
+        scope += " after finishing" if outcome.get("after_finish") else ""
+    else:
+        scope = ""
+    step = f" at step {end['step']}" if end["step"] is not None and not end["injected"] else ""
+    return f"{scope}{step}: {end['what']}" if scope else f"{end['what']}{step}"
+
+
+def _report(summary: dict[str, Any], run_dir: Path, notes: list[str]) -> None:
+    told = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
+    print(f"[launch] {summary['processes']} processes: {told}; events in {run_dir}", flush=True)
+    for d in summary["deaths"]:
+        who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
+        print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
+    for entry in summary["never_fired"]:
+        print(f"[launch] warning: injection {entry} never fired (that rank, step or point was not reached)",
+              flush=True)
+    for note in notes:
+        print(f"[launch] {note}", flush=True)
+    if summary["finished"]:
+        print("[launch] training finished", flush=True)
+    elif summary["stopped_by"]:
+        print(f"[launch] training did not finish: {summary['stopped_by']['kind']}: "
+              f"{summary['stopped_by']['message']}", flush=True)
+    else:
+        print("[launch] training did not finish: no process finished it (see the deaths above)", flush=True)
+
+
+# ---------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m elastic.launch", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--nprocs", type=int, help="active ranks (with --slurm: the allocation's "
@@ -106,10 +191,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
     parser.add_argument("--inject", help="fault schedule, e.g. 1@10 or 1@5,2@10/g1 (see elastic.comm)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole job is killed")
+    parser.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT,
+                        help="seconds without a heartbeat before a rank counts as hung and is killed "
+                             f"(the heartbeat needs no MPI call from your code; default {DEFAULT_HANG_TIMEOUT:g}, "
+                             "0 = off)")
+    parser.add_argument("--progress-timeout", type=float, default=0.0,
+                        help="seconds an active rank may go without progress (a step, a commit) before it is "
+                             "killed: catches deadlocks and stuck reads (default 0 = off; set it above your "
+                             "longest step)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed "
+                        "(exit 124; default: none)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds the ranks get to leave after SIGTERM / SIGINT before they are killed")
     parser.add_argument("--run-dir", type=Path, help="events and outcome files (default elastic-run/<time>)")
     parser.add_argument("--detector", action="store_true",
-                        help="heartbeat failure detector: finds hung ranks and ranks that exit non-zero (~2 s)")
+                        help="Open MPI's heartbeat failure detector as well (declares a rank that is silent in "
+                             "MPI for 2 s dead, so long computations between MPI calls are not allowed)")
     parser.add_argument("--oversubscribe", action="store_true", help="force --oversubscribe")
     parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH)")
@@ -126,44 +223,151 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.nprocs = sum(n for _, n in args.hosts) - args.spares
     if args.nprocs < 1 or args.spares < 0:
         parser.error("-n must be >= 1 and --spares >= 0")
+    for name in ("hang_timeout", "progress_timeout", "grace"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
+    try:
+        _validate(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.run_dir is None:
         args.run_dir = Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, what the ranks would refuse or silently ignore."""
+    from elastic.recovery import Policy
+    env = {**os.environ, **({REBUILD_ENV: args.rebuild} if args.rebuild else {}),
+           **({MIN_SIZE_ENV: str(args.min_size)} if args.min_size is not None else {})}
+    policy = Policy.from_env(env)
+    args.schedule = parse_schedule(args.inject or os.environ.get("ELASTIC_INJECT"))
+    for entry in args.schedule:
+        if entry.point == "park":
+            if entry.rank >= args.spares:
+                raise ConfigError(f"injection s{entry.rank}@park: there are {args.spares} spares (s0 is the first)")
+        elif entry.rank >= args.nprocs:
+            raise ConfigError(f"injection {entry.to_dict()}: logical rank {entry.rank} does not exist with "
+                              f"-n {args.nprocs} (ranks 0..{args.nprocs - 1})")
+        if entry.action == "hang" and not args.hang_timeout and not args.detector:
+            raise ConfigError(f"injection {entry.to_dict()} hangs a rank, but --hang-timeout 0 turned the "
+                              "heartbeat off and --detector is not on: nothing would ever notice it")
+        if entry.point == "spawn" and "spawn" not in policy.modes:
+            raise ConfigError(f"injection {entry.to_dict()} fires during a spawn, but --rebuild "
+                              f"{','.join(policy.modes)} never spawns")
+
+
+# ---------------------------------------------------------------------------- running
+class _Output(threading.Thread):
+    """Copies one of mpiexec's streams through, line by line, dropping Open MPI's failure noise."""
+
+    def __init__(self, source: IO[bytes], sink: Any) -> None:
+        super().__init__(daemon=True)
+        self.source, self.sink, self.hidden = source, sink, 0
+
+    def run(self) -> None:
+        after_noise = False
+        for line in iter(self.source.readline, b""):
+            if line.startswith(_NOISE) or (after_noise and not line.strip()):  # the notice ends in a blank line
+                self.hidden += bool(line.strip())
+                after_noise = True
+                continue
+            after_noise = False
+            self.sink.buffer.write(line)
+            self.sink.flush()
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Pids of the live processes still in session ``sid`` (this host only; zombies are already dead)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != sid:
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, then (after ppid, pgrp) the session
+                pids.append(int(entry.name))
+    return pids
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in list(args.run_dir.glob("outcome-*.json")) + list(args.run_dir.glob("events-*.jsonl")):
+    for stale in [p for pattern in ("outcome-*.json", "events-*.jsonl", "fate-*.json", "summary.json")
+                  for p in args.run_dir.glob(pattern)]:
         stale.unlink()
     cmd = build_command(args, args.nprocs + args.spares)
     print(f"[launch] {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **_job_env(args)}, start_new_session=True)
-    timed_out = False
+    proc = subprocess.Popen(cmd, env={**os.environ, **_job_env(args)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    outputs = [_Output(proc.stdout, sys.stdout), _Output(proc.stderr, sys.stderr)]  # type: ignore[arg-type]
+    for output in outputs:
+        output.start()
+    got: list[int] = []
+    stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
+
+    def stop(why: str) -> None:
+        if not stopping:
+            print(f"\n[launch] {why}: stopping the job ({args.grace:g} s grace)", file=sys.stderr, flush=True)
+            stopping.append(time.monotonic())
+            proc.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank's sentinel
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        got.append(sig)
+        stop(f"got {signal.Signals(sig).name}")
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
-        proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    ok, outcomes, silent = summarize(args.run_dir)
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o["status"]] = counts.get(o["status"], 0) + 1
-    summary = {"ok": ok and not timed_out, "timed_out": timed_out, "mpiexec_rc": proc.returncode,
-               "counts": counts, "silent_pids": silent, "outcomes": outcomes}
-    (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    told = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-    print(f"[launch] {len(outcomes) + len(silent)} processes: {told}"
-          + (f", {len(silent)} died unexpectedly (pids {', '.join(silent)})" if silent else "")
-          + (f"; TIMED OUT after {args.timeout:.0f} s" if timed_out else "")
-          + f"; events in {args.run_dir}", flush=True)
+        while proc.poll() is None:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                stop(f"TIMED OUT after {args.timeout:g} s")
+            if stopping and now - stopping[0] > args.grace:
+                break
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    timed_out = bool(stopping) and not got
+    # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
+    # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
+    settle = time.monotonic() + LEFTOVER_SECONDS
+    while _session_processes(proc.pid) and time.monotonic() < settle and proc.poll() is not None:
+        time.sleep(0.05)
+    leftovers = _session_processes(proc.pid) + ([proc.pid] if proc.poll() is None else [])
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for output in outputs:
+        output.join(timeout=5)
+    summary = summarize(args.run_dir, args.schedule)
+    notes = []
     if timed_out:
-        return 124
-    return 0 if ok else 1
+        rc = 124
+        notes.append(f"TIMED OUT after {args.timeout:g} s")
+    elif got:
+        rc = 128 + got[0]
+        notes.append(f"stopped by {signal.Signals(got[0]).name}")
+    else:
+        rc = 0 if summary["finished"] else 1
+    hidden = sum(output.hidden for output in outputs)
+    if hidden:
+        notes.append(f"({hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
+                     "by a failure, expected)")
+    if leftovers and not stopping:
+        notes.append(f"killed {len(leftovers)} processes left behind by the job")
+    _report(summary, args.run_dir, notes)
+    summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": proc.returncode,
+                    "signal": signal.Signals(got[0]).name if got else None})
+    (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return rc
 
 
 if __name__ == "__main__":

@@ -210,7 +210,10 @@ def rebuild_lost_stages(world: elastic.World, stage: Stage, optimizer: torch.opt
 
     Returns the optimizer to go on with (a fresh one on a rebuilt stage).
     """
-    plan = [] if args.recovery == "random" else plan_stage_recovery(stages, lost, {}, args.checkfree_plus)
+    try:
+        plan = [] if args.recovery == "random" else plan_stage_recovery(stages, lost, {}, args.checkfree_plus)
+    except elastic.Unrecoverable as exc:  # every stage plans from the same agreed rebuild: stop together
+        raise elastic.agreed(exc) from None
     comm = world.comm
     with world.guard():
         for rebuilt in plan:

@@ -6,11 +6,23 @@ are its placement and recovery-plan logic; ``Policy`` decides, at each rebuild,
 between a spare, a spawned process and shrinking; ``plan_stage_recovery`` /
 ``checkfree_average`` bring a lost pipeline stage back from a replica or, with
 none, from its neighbours (CheckFree / CheckFree+).
+
+The store (which needs MPI) loads on first use.
 """
+from typing import TYPE_CHECKING
+
+from elastic.comm._lazy import lazy_exports
+
 from ._checkfree import LR_BOOST, StageRecovery, checkfree_average, plan_stage_recovery, replica_holders
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
-from ._store import DOMAINS_ENV, ReplicatedStore, checksum
+
+if TYPE_CHECKING:
+    from ._store import DOMAINS_ENV, ReplicatedStore, checksum
+
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "ReplicatedStore": "._store", "checksum": "._store", "DOMAINS_ENV": "._store",
+})
 
 __all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy",
            "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average", "replica_holders", "LR_BOOST"]

@@ -13,7 +13,7 @@ import os
 from typing import Mapping
 
 from elastic.comm import ConfigError
-from elastic.comm._world import MIN_SIZE_ENV, MODES, REBUILD_ENV
+from elastic.comm._settings import MIN_SIZE_ENV, MODES, REBUILD_ENV
 
 MULTIPLE_OF_ENV = "ELASTIC_MULTIPLE_OF"
 COST_MODEL_ENV = "ELASTIC_COST_MODEL"
@@ -71,8 +71,8 @@ class Policy:
         if self.spawn_seconds < 0:
             raise ConfigError(f"spawn_seconds={self.spawn_seconds}: a cost cannot be negative")
 
-    def __call__(self, lost: int, spares: int, active: int,
-                 outlook: Mapping[str, float] | None = None) -> tuple[tuple[str, ...], str]:
+    def __call__(self, lost: int, spares: int, active: int, outlook: Mapping[str, float] | None = None,
+                 unavailable: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], str]:
         """Decide how to fill ``lost`` logical ranks (local, deterministic).
 
         Args:
@@ -80,10 +80,18 @@ class Policy:
             spares: parked spares still alive.
             active: active ranks still alive (spares not counted).
             outlook: ``step_seconds`` and ``remaining_steps`` of the training loop, if known.
+            unavailable: modes that failed in this rebuild (a spawn that cannot work here).
 
         Returns:
             (modes to apply in order, reason). No modes: the job cannot continue; the reason says why.
         """
+        if unavailable:
+            allowed = tuple(m for m in self.modes if m not in unavailable)
+            if not allowed:
+                return (), (f"{', '.join(sorted(unavailable))} failed and no other mode is allowed; "
+                            "add spares (--spares) or allow 'shrink'")
+            modes, reason = dataclasses.replace(self, modes=allowed)(lost, spares, active, outlook)
+            return modes, f"{reason}; {', '.join(sorted(unavailable))} failed"
         from_spares = min(lost, spares) if "spare" in self.modes else 0
         rest = lost - from_spares
         used = ("spare",) if from_spares else ()

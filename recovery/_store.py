@@ -24,6 +24,7 @@ import xxhash
 from mpi4py import MPI
 
 from elastic.comm import ConfigError, ProcessFailure, World, mpi_errors
+from elastic.comm._errors import agreed
 
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 
@@ -75,6 +76,9 @@ class ReplicatedStore:
                  domains: Mapping[int, str] | None = None) -> None:
         if replication < 1:
             raise ConfigError(f"replication={replication}: need at least 1 (2 survives one failure)")
+        if replication > world.size:
+            raise ConfigError(f"replication={replication} with {world.size} active ranks: a state cannot have "
+                              f"more copies than there are ranks to hold them; use at most {world.size}")
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes={chunk_bytes}: must be positive")
         self.world = world
@@ -86,6 +90,7 @@ class ReplicatedStore:
         # fault per 4 KiB, which made a cold commit several times slower than a warm one.
         self._pool: list[np.ndarray] = []
         self.bytes_moved = 0  # by this rank in the last commit or recovery
+        self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers), rereplicate
 
     # ------------------------------------------------------------ user calls
@@ -144,14 +149,13 @@ class ReplicatedStore:
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
-        with mpi_errors(world.comm):
-            held = world.comm.allgather(self._current.number if self._current else None)
-            if all(v is None for v in held):
-                raise ConfigError("no version was ever committed: nothing to recover")
-            root = next(i for i, v in enumerate(held) if v is not None)
-            number, ranks, metas, placement = world.comm.bcast(
-                (self._current.number, self._current.ranks, self._current.metas, self._current.placement)
-                if world.rank == root else None, root=root)
+        held = world.allgather(self._current.number if self._current else None)
+        if all(v is None for v in held):
+            raise ConfigError("no version was ever committed: nothing to recover")
+        root = next(i for i, v in enumerate(held) if v is not None)
+        number, ranks, metas, placement = world.bcast(
+            (self._current.number, self._current.ranks, self._current.metas, self._current.placement)
+            if world.rank == root else None, root=root)
         version = _Version(number, ranks, metas, placement, np.empty(0, np.uint8), {})
         holders = {r for r, v in zip(active, held) if v == number}
         # Dead: committed the version but no live process holds it now (killed, replaced, or removed).
@@ -258,39 +262,49 @@ class ReplicatedStore:
         except ConfigError as exc:  # told to every rank below, so that no rank waits for this one
             payload, meta, bad_input = np.empty(0, np.uint8), _Meta((), 0, ()), str(exc)
         error: Exception | None = None
+        refused: ConfigError | None = None
         try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
             with mpi_errors(comm):
                 metas_list = comm.allgather((version, meta, bad_input))
             problems = [f"logical rank {r}: {p}" for r, (_, _, p) in zip(ranks, metas_list) if p]
-            if problems:
-                raise ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems))
             versions = {v for v, _, _ in metas_list}
-            if len(versions) != 1:
-                # Every rank sees the same list, so every rank raises the same error.
-                raise ConfigError(f"commit version differs across ranks: {sorted(versions)}; "
-                                  "every rank must commit the same version together")
-            metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
-            domains = self._domain_map(ranks)
-            placement = place_replicas(ranks, domains, self.replication,
-                                       {r: len(metas[r].sums) for r in ranks})
-            outgoing: dict[int, list[np.ndarray]] = {}
-            for c in range(len(meta.sums)):
-                for holder in placement[(me, c)][1:]:
-                    outgoing.setdefault(holder, []).append(self._chunk(payload, c))
-            kept = {src: [c for c in range(len(metas[src].sums)) if me in placement[(src, c)][1:]]
-                    for src in ranks if src != me}
-            incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs] for src, cs in kept.items() if cs}
-            t1 = time.perf_counter()
-            received, into = self._exchange(outgoing, incoming, version, point="commit", pooled=True)
-            t2 = time.perf_counter()
-            held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
-            staged = _Version(version, tuple(ranks), metas, placement, payload, held, into)
+            # Every rank sees the same list, so every rank refuses alike (after the vote below).
+            if problems:
+                refused = ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems))
+            elif len(versions) != 1:
+                refused = ConfigError(f"commit version differs across ranks: {sorted(versions)}; "
+                                      "every rank must commit the same version together")
+            else:
+                metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
+                with mpi_errors(comm):
+                    domains = self._domain_map(ranks)
+                placement = place_replicas(ranks, domains, self.replication,
+                                           {r: len(metas[r].sums) for r in ranks})
+                if len(ranks) < self.replication and not self._said_reduced:
+                    self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
+                    world.events.emit("replication_reduced", replication=self.replication, ranks=len(ranks))
+                outgoing: dict[int, list[np.ndarray]] = {}
+                for c in range(len(meta.sums)):
+                    for holder in placement[(me, c)][1:]:
+                        outgoing.setdefault(holder, []).append(self._chunk(payload, c))
+                kept = {src: [c for c in range(len(metas[src].sums)) if me in placement[(src, c)][1:]]
+                        for src in ranks if src != me}
+                incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs]
+                            for src, cs in kept.items() if cs}
+                t1 = time.perf_counter()
+                received, into = self._exchange(outgoing, incoming, version, point="commit", pooled=True)
+                t2 = time.perf_counter()
+                held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
+                staged = _Version(version, tuple(ranks), metas, placement, payload, held, into)
         except ProcessFailure as exc:
             error = exc
         # Phase two: the staged copies become current only if every rank got this far.
         self._vote(error is None)
+        if refused is not None:
+            raise agreed(refused, final=False)
         t3 = time.perf_counter()
         self._install(staged)
+        world.note_commit()
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
                           durations={"prepare": t1 - t0, "exchange": t2 - t1, "vote": t3 - t2},
                           payload_bytes=int(payload.nbytes), held_chunks=len(held))
@@ -307,9 +321,9 @@ class ReplicatedStore:
                          for chunk, holders in version.placement.items()}
             try:
                 plan = plan_transfers(placement, dead)
-            except DataLost as exc:
+            except DataLost as exc:  # the same on every rank: everyone planned from the same agreed data
                 world.events.emit("data_lost", lost=exc.lost)
-                raise
+                raise agreed(exc)
             plan = {chunk: sender for chunk, sender in plan.items() if chunk in pending}
             outgoing: dict[int, list[np.ndarray]] = {}
             order: dict[int, list[Chunk]] = {}
@@ -335,8 +349,7 @@ class ReplicatedStore:
                     else:
                         corrupt.append(chunk)
                         world.events.emit("corrupt_copy", owner=chunk[0], chunk=chunk[1], holder=src)
-            with mpi_errors(world.comm):
-                reports = world.comm.allgather([(chunk, plan[chunk]) for chunk in corrupt])
+            reports = world.allgather([(chunk, plan[chunk]) for chunk in corrupt])
             if not any(reports):
                 world.events.emit("restored", chunks=len(got), bytes_in=int(sum(c.nbytes for c in got.values())),
                                   bytes_out=self.bytes_moved)
@@ -349,9 +362,7 @@ class ReplicatedStore:
 
     def _vote(self, ok: bool) -> None:
         """Uniform decision over the active ranks: returns on all or raises ProcessFailure on all."""
-        with mpi_errors(self.world.comm):
-            if not self.world.comm.Agree(int(ok)):
-                raise ProcessFailure("a rank could not finish its part of the transfer")
+        self.world.vote(ok, "a rank could not finish its part of the transfer")
 
     def _exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[int]],
                   step: int, point: str, pooled: bool = False) -> tuple[dict[int, list[np.ndarray]], np.ndarray]:

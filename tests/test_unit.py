@@ -71,20 +71,33 @@ def test_launcher_command_for_this_machine(tmp_path):
     assert cmd[-2:] == ["python", "x.py"] and "ELASTIC_INJECT" in cmd
 
 
-def _write(run_dir: Path, pid: int, status: str | None) -> None:
-    (run_dir / f"events-h-{pid}.jsonl").write_text("{}\n")
+def _write(run_dir: Path, pid: int, status: str | None, **fields) -> None:
+    (run_dir / f"events-h-{pid}.jsonl").write_text(json.dumps({"event": "started", "t": 0.0, "pid": pid}) + "\n")
     if status:
-        (run_dir / f"outcome-h-{pid}.json").write_text(json.dumps({"pid": pid, "status": status}))
+        (run_dir / f"outcome-h-{pid}.json").write_text(json.dumps({"pid": pid, "status": status, **fields}))
 
 
 def test_launcher_decides_from_outcomes_not_exit_status(tmp_path):
+    # As with mpirun / torchrun: the job succeeded when the training finished, whatever died on the way.
     _write(tmp_path, 1, "finished")
-    _write(tmp_path, 2, "injected-kill")
+    _write(tmp_path, 2, "injected-kill", injection={"action": "kill", "step": 3})
     _write(tmp_path, 3, "spare-unused")
-    assert launch.summarize(tmp_path)[0] is True
-    _write(tmp_path, 4, None)  # died without a word: not on purpose
-    ok, _, silent = launch.summarize(tmp_path)
-    assert ok is False and silent == ["4"]
+    _write(tmp_path, 4, None)  # died without a word: listed, but the training finished
+    summary = launch.summarize(tmp_path)
+    assert summary["finished"] is True
+    assert {d["pid"]: d["how"] for d in summary["deaths"]} == {
+        2: "injected kill at step 3", 4: "died without a word (no outcome, no sentinel record)"}
+    _write(tmp_path, 5, "error", kind="DataLost", message="state lost")  # the job stopped on every rank
+    summary = launch.summarize(tmp_path)
+    assert summary["finished"] is False and summary["stopped_by"] == {"kind": "DataLost", "message": "state lost"}
+
+
+def test_launcher_counts_a_failure_after_finishing(tmp_path):
+    _write(tmp_path, 1, "finished")
+    _write(tmp_path, 2, "failed", kind="OSError", message="disk full", step=None, after_finish=True)
+    summary = launch.summarize(tmp_path)
+    assert summary["finished"] is False
+    assert summary["deaths"][0]["how"] == "failed after finishing: OSError: disk full"
 
 
 def test_launcher_rejects_missing_program():

@@ -1,0 +1,131 @@
+"""How a process of the job ends: together with the others, or alone and at once.
+
+Every end falls in one of two cases (see ``_errors``):
+
+* **together** -- the job finished (``World.finish()``), a parked spare was
+  released, or an agreed error stops every process alike. The processes meet in
+  a last ULFM ``Agree`` on the universe, acknowledging and skipping any process
+  that dies meanwhile (a parked spare that died, a rank lost after the vote);
+  the lowest live active rank releases the parked spares, again after every
+  change, so a dead rank 0 cannot leave them waiting. Then ``MPI_Finalize`` if
+  the job never saw a failure, else ``os._exit`` (``MPI_Finalize`` can hang
+  after failures, ompi #11404).
+* **alone** -- anything else: an exception in this process only, ``sys.exit``
+  or the end of the program before ``finish()``. The error is written to the
+  events and to this process's outcome, then the process kills itself with
+  SIGKILL, which the survivors detect within milliseconds and recover from
+  exactly as from a crash. Leaving cleanly instead would let the others wait
+  forever (a clean ``MPI_Finalize`` is not a failure to ULFM).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ._errors import is_agreed, last_agreed
+
+if TYPE_CHECKING:
+    from ._world import World
+
+
+class Lifecycle:
+    """The exit paths of one process (local, except ``leave_together``: collective over the universe)."""
+
+    def __init__(self, world: "World") -> None:
+        self._world = world
+        self.finished = False      # finish() done, or a spare released: leave together, exit 0
+        self.stopped = False       # an agreed error ends the job: leave together, exit 1
+        self.after_finish = False
+        self._recorded = False     # this process's outcome says how it ends (an injection, an error)
+        self._left = False
+
+    def install(self) -> None:
+        import atexit
+        import faulthandler
+        atexit.register(self._at_exit)
+        sys.excepthook = self._excepthook
+        if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+            # The sentinel sends SIGUSR1 before killing a rank that made no progress: say where it was.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def injected(self) -> None:
+        """An injected fault recorded this process's outcome already."""
+        self._recorded = True
+
+    # ------------------------------------------------------------------ alone
+    def fail(self, kind: str, message: str) -> None:
+        """Record this process's own failure, then die so that the others see it at once. Never returns."""
+        world = self._world
+        step = world.step
+        if not self._recorded:
+            fields: dict[str, Any] = {"kind": kind, "message": message, "step": step}
+            if self.finished:
+                fields["after_finish"] = True
+            world.events.emit("error", scope="rank", **fields)
+            world.events.write_outcome("failed", **fields)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # --------------------------------------------------------------- together
+    def stop(self, exc: BaseException) -> None:
+        """An agreed error ends the job on every process: record it; leave together at exit."""
+        if not self.stopped and not self._recorded:
+            name, message = type(exc).__name__, str(exc)
+            self._world.events.emit("error", scope="job", kind=name, message=message)
+            self._world.events.write_outcome("error", kind=name, message=message)
+        self.stopped = True
+
+    def leave_together(self, code: int) -> None:
+        """Meet every live process of the job in a last agreement, then go (collective over the universe).
+
+        Returns (to let ``MPI_Finalize`` run) only when the job never saw a
+        failure; otherwise ends the process with ``code``.
+        """
+        from mpi4py import MPI
+
+        world = self._world
+        self._left = True
+        world.watchdog.watch_progress(False)
+        failures = world.failures_seen
+        universe = world.universe
+        while True:
+            world.release_spares()
+            try:
+                universe.Agree(1)
+                break
+            except MPI.Exception as exc:
+                if exc.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
+                    break  # nothing more can be agreed with a broken MPI; leave anyway
+                failures = True
+                universe.Ack_failed()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        world.watchdog.announce_exit(code)
+        if failures:
+            os._exit(code)
+
+    # ------------------------------------------------------------------ hooks
+    def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        sys.__excepthook__(kind, exc, tb)
+        if is_agreed(exc):
+            self.stop(exc)
+        elif not self._left:
+            self.fail(kind.__name__, str(exc) or kind.__name__)
+
+    def _at_exit(self) -> None:
+        if self._left:
+            return
+        if self.stopped:
+            self.leave_together(1)
+        elif self.finished:
+            self.leave_together(0)
+        elif last_agreed:  # the program caught an agreed error and ended: the job stops all the same
+            self.stop(last_agreed[0])
+            self.leave_together(1)
+        else:
+            self.fail("SystemExit", "the program ended (sys.exit, or the end of the script) before "
+                      "world.finish(): every rank must call finish(), or return from the function that "
+                      "elastic.run wraps")
