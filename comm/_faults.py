@@ -16,13 +16,16 @@ Points: ``step`` (``World.fault_point(step)``, called by the user loop),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
 agreed, before the communicator is rebuilt), ``spawn`` (after ``Spawn``
 returned, before the new process is merged in), ``park`` (a spare, as soon as
-it parks: there ``rank`` counts the spares, 0 being the first). An entry fires
-only in the generation ``gen`` (default 0), so a replacement that replays the
-same step does not die again.
+it parks: there ``rank`` counts the spares, 0 being the first), ``finish``
+(in ``World.finish()``, before the last agreement). An entry fires only in the
+generation ``gen`` (default 0), so a replacement that replays the same step
+does not die again.
 
 Actions: ``kill`` (SIGKILL), ``exit`` (``os._exit(3)``: a non-zero exit
 without a signal), ``raise`` (``InjectedFault``, an exception in user code),
-``hang`` (SIGSTOP: found by the sentinel's heartbeat, or ``--detector``).
+``hang`` (SIGSTOP: found by the sentinel's heartbeat, or ``--detector``),
+``stall`` (alive and beating, but stuck for ever, like a deadlock or a read
+that never returns: found by the progress timeout).
 """
 from __future__ import annotations
 
@@ -30,14 +33,15 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
 from ._errors import ConfigError, ElasticError
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park")
-ACTIONS = ("kill", "exit", "raise", "hang")
+POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall")
 STEP_POINTS = ("step", "collective", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
@@ -100,7 +104,7 @@ def _parse_compact(item: str) -> Injection:
     if rank_text.startswith("s") != (where == "park"):
         raise ConfigError(f"fault injection {item!r}: a parked spare is named sK@park (K counts the spares), "
                           "an active rank by its logical rank")
-    if where in ("agree", "rebuild", "restore", "spawn", "park"):
+    if where in ("agree", "rebuild", "restore", "spawn", "park", "finish"):
         return Injection(int(rank_text.removeprefix("s")), None, where, action, gen)
     if where.startswith("commit"):
         return Injection(int(rank_text), int(where[6:]), "commit", action, gen)
@@ -127,5 +131,8 @@ class FaultInjector:
                     os._exit(EXIT_CODE)
                 elif entry.action == "hang":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif entry.action == "stall":
+                    while True:
+                        time.sleep(3600)
                 else:
                     raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")

@@ -7,14 +7,15 @@ spawned replacement). The MPI runtime starts the sentinel; the sentinel starts
 the program, which runs MPI as usual. Open MPI 5 reports a rank's death to the
 survivors when the process it started dies by a signal or exits 0, but not when
 it exits with another code, and it never notices a stopped process. So the
-sentinel watches the program (see ``_watchdog`` for the messages) and, when the
-program
+sentinel watches the program (through a page of shared memory, see
+``_watchdog``) and, when the program
 
 * exits without having announced it (``os._exit(3)``, a native ``exit()``, a
   signal), or
 * stops beating for ``ELASTIC_HANG_TIMEOUT`` seconds (SIGSTOP, a frozen
-  process), or makes no progress for ``ELASTIC_PROGRESS_TIMEOUT`` seconds, or
-  misses a deadline it asked for,
+  process), or makes no progress for ``ELASTIC_PROGRESS_TIMEOUT`` seconds
+  (twice that while it waits in MPI for its peers), or misses a deadline it
+  asked for,
 
 kills what is left of it and then itself with SIGKILL: the survivors see a
 failure within milliseconds and recover. Each time it writes
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._watchdog import SENTINEL_FD_ENV
+from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, Page
 
 HANG_TIMEOUT_ENV = "ELASTIC_HANG_TIMEOUT"
 PROGRESS_TIMEOUT_ENV = "ELASTIC_PROGRESS_TIMEOUT"
@@ -44,6 +44,7 @@ TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"
 DEFAULT_HANG_TIMEOUT = 10.0
 DEFAULT_TERM_GRACE = 5.0
 EXIT_GRACE = 30.0        # after an announced exit: MPI_Finalize may hang after failures (ompi #11404)
+POLL_SECONDS = 0.1
 DUMP_SECONDS = 1.0       # time given to a stuck process to print its traceback (SIGUSR1) before the kill
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -70,35 +71,31 @@ class Sentinel:
         self.term_grace = _seconds(TERM_GRACE_ENV, DEFAULT_TERM_GRACE)
         run_dir = os.environ.get("ELASTIC_RUN_DIR")
         self.run_dir = Path(run_dir) if run_dir else None
-        now = time.monotonic()
+        self.page = Page.create()
+        self.seen: dict[str, int | None] = self.page.read()
         self.last_beat: float | None = None      # liveness is armed by the first heartbeat
-        self.last_progress = now
-        self.progress_armed = False
-        self.step: str = "-"
-        self.deadline_at: float | None = None
-        self.announced: int | None = None
-        self.announced_at = 0.0
+        self.last_progress = time.monotonic()
+        self.announced_at: float | None = None
         self.signalled: int | None = None
         self.signalled_at = 0.0
 
     def run(self) -> int:
-        read_end, write_end = os.pipe()
-        env = {**os.environ, SENTINEL_FD_ENV: str(write_end)}
+        env = {**os.environ, SENTINEL_FD_ENV: str(self.page.fd), SENTINEL_PID_ENV: str(os.getpid())}
         try:
-            self.child = subprocess.Popen(self.command, pass_fds=(write_end,), env=env)
+            self.child = subprocess.Popen(self.command, pass_fds=(self.page.fd,), env=env)
         except OSError as exc:
             sys.stderr.write(f"[sentinel] cannot start {self.command!r}: {exc}\n")
             return 127
-        os.close(write_end)
         for sig in _FORWARDED:
             signal.signal(sig, self._forward)
-        verdict = self._watch(read_end)
+        verdict = self._watch()
         if verdict is not None:
             return self._kill(verdict)
         code = self.child.wait()
-        if self.announced is not None:
-            self._write_fate("exited", code=code, announced=self.announced)
-            return self.announced
+        announced = self.page.read()["exit"]
+        if announced is not None:
+            self._write_fate("exited", code=code, announced=announced)
+            return announced
         if self.signalled is not None:
             self._write_fate("terminated", signal=signal.Signals(self.signalled).name, code=code)
             return 128 + self.signalled
@@ -108,54 +105,36 @@ class Sentinel:
         return 1  # not reached
 
     # ------------------------------------------------------------------ watching
-    def _watch(self, read_end: int) -> str | None:
-        """Read the child's messages until it exits (None) or must be killed (the reason)."""
-        pending = b""
-        while True:
-            ready, _, _ = select.select([read_end], [], [], 0.25)
-            if ready:
-                data = os.read(read_end, 65536)
-                if not data:  # every copy of the write end is closed: the child has gone
-                    return None
-                pending += data
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    self._message(line.decode(errors="replace").split())
-            if self.child.poll() is not None:
-                return None
-            verdict = self._verdict(time.monotonic())
+    def _watch(self) -> str | None:
+        """Poll the child and the shared page until the child exits (None) or must be killed (why)."""
+        while self.child.poll() is None:
+            now = time.monotonic()
+            page = self.page.read()
+            if page["beat"] != self.seen["beat"]:
+                self.last_beat = now
+            if page["progress"] != self.seen["progress"]:
+                self.last_progress = now
+            if page["exit"] is not None and self.announced_at is None:
+                self.announced_at = now
+            self.seen = page
+            verdict = self._verdict(now, page)
             if verdict is not None:
                 return verdict
+            time.sleep(POLL_SECONDS)
+        return None
 
-    def _message(self, words: list[str]) -> None:
-        now = time.monotonic()
-        if not words:
-            return
-        kind = words[0]
-        if kind == "beat":
-            self.last_beat = now
-        elif kind == "progress":
-            self.last_progress = now
-            self.step = words[1] if len(words) > 1 else self.step
-        elif kind == "arm":
-            self.progress_armed, self.last_progress = True, now
-        elif kind == "disarm":
-            self.progress_armed = False
-        elif kind == "deadline":
-            self.deadline_at = None if words[1:] == ["off"] else now + float(words[1])
-        elif kind == "exit":
-            self.announced, self.announced_at = int(words[1]), now
-
-    def _verdict(self, now: float) -> str | None:
-        if self.announced is not None:
+    def _verdict(self, now: float, page: dict[str, int | None]) -> str | None:
+        if self.announced_at is not None:
             return "stuck-exiting" if now - self.announced_at > EXIT_GRACE else None
         if self.signalled is not None:
             return "terminated" if now - self.signalled_at > self.term_grace else None
         if self.hang_timeout and self.last_beat is not None and now - self.last_beat > self.hang_timeout:
             return "hung"
-        if self.progress_timeout and self.progress_armed and now - self.last_progress > self.progress_timeout:
+        # A rank waiting in MPI for a stuck peer gets twice as long: the stuck one dies first.
+        bound = self.progress_timeout * (2 if page["waiting"] else 1)
+        if self.progress_timeout and page["armed"] and now - self.last_progress > bound:
             return "no-progress"
-        if self.deadline_at is not None and now > self.deadline_at:
+        if page["deadline"] is not None and time.monotonic_ns() > page["deadline"]:
             return "deadline"
         return None
 
@@ -179,8 +158,9 @@ class Sentinel:
         code = self.child.wait()
         seconds = {"hung": self.hang_timeout, "no-progress": self.progress_timeout}.get(verdict)
         self._write_fate(verdict, code=code, seconds=seconds)
-        if verdict == "stuck-exiting" and self.announced is not None:
-            return self.announced   # it had left the job already; only MPI_Finalize hung
+        announced = self.page.read()["exit"]
+        if verdict == "stuck-exiting" and announced is not None:
+            return announced   # it had left the job already; only MPI_Finalize hung
         if verdict == "terminated" and self.signalled is not None:
             return 128 + self.signalled
         self._die()
@@ -196,7 +176,7 @@ class Sentinel:
             return
         host, pid = socket.gethostname(), self.child.pid
         record = {"end": end, "pid": pid, "sentinel_pid": os.getpid(), "host": host, "t": time.time(),
-                  "step": None if self.step == "-" else int(self.step), **fields}
+                  "step": self.page.read()["step"], **fields}
         try:
             path = self.run_dir / f"fate-{host}-{pid}.json"
             tmp = path.with_suffix(".tmp")

@@ -1,100 +1,151 @@
-"""This process's side of the sentinel (``elastic._sentinel``): heartbeats, progress, deadlines.
+"""This process's side of the sentinel (``elastic.comm._sentinel``): heartbeat, progress, deadlines.
 
 Under the launcher every rank runs as the child of a small sentinel process,
 which is what the MPI runtime started. The sentinel turns every way the rank
-can end or stall into a death the runtime reports to ULFM (a SIGKILL of the
-sentinel itself), and writes down how the rank ended:
+can end or stall into a death the runtime reports to ULFM, and writes down how
+the rank ended. What it needs to know, this process writes into a page of
+memory the two share (``ELASTIC_SENTINEL_FD``), so that telling it costs no
+system call, even once per step:
 
-* liveness: a daemon thread here writes a heartbeat every ``BEAT_SECONDS``,
-  whatever the user's code is doing (mpi4py releases the GIL inside MPI
-  calls). A SIGSTOPped or frozen process stops beating; after
-  ``ELASTIC_HANG_TIMEOUT`` seconds the sentinel kills it.
-* progress: ``progress(step)`` marks that the loop moved on. With
+* ``beat``: a daemon thread here counts up every ``BEAT_SECONDS`` whatever the
+  user's code is doing (mpi4py releases the GIL inside MPI calls). A
+  SIGSTOPped or frozen process stops counting; after ``ELASTIC_HANG_TIMEOUT``
+  seconds the sentinel kills it.
+* ``progress`` / ``step``: the loop moved on, and where it is. With
   ``ELASTIC_PROGRESS_TIMEOUT`` set, a rank that is alive but makes no progress
-  for that long (a deadlock, a stuck read) is killed too; parked spares and
-  finished ranks are exempt.
-* a one-shot deadline: ``deadline(seconds)`` ... ``deadline(None)`` bounds one
-  operation (a spawned process joining its parents).
-* exit: ``announce_exit(code)`` says the process is about to leave on purpose;
-  any other end (``os._exit``, a native ``exit()``, a signal) is a failure.
+  for that long (a deadlock, a read that never returns) is killed.
+* ``waiting``: inside an MPI call of the library (``World.guard()``). A rank
+  waiting there for a stuck peer is a victim, not the culprit: it gets twice
+  the progress timeout, so the stuck rank dies first and the others recover.
+* ``armed``: parked spares and finished ranks are exempt from the progress timeout.
+* ``deadline``: a one-shot bound on one operation (a spawned process joining).
+* ``exit``: the process is about to leave on purpose, with this code; any other
+  end (``os._exit``, a native ``exit()``, a signal) is a failure.
 
-The protocol is one text line per message on a pipe whose write end is
-``ELASTIC_SENTINEL_FD``. Without a sentinel every call is a no-op.
+Without a sentinel every call is a no-op.
 """
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import signal
+import struct
 import threading
 import time
+from typing import Iterator
 
 SENTINEL_FD_ENV = "ELASTIC_SENTINEL_FD"
+SENTINEL_PID_ENV = "ELASTIC_SENTINEL_PID"
 BEAT_SECONDS = 0.5
-_PROGRESS_EVERY = 0.2  # seconds: progress lines are rate-limited, a step can take microseconds
+PAGE = 4096
+# Slots of the shared page, one signed 64-bit integer each.
+SLOTS = ("beat", "progress", "step", "waiting", "armed", "deadline", "exit")
+_UNSET = -(1 << 62)  # "no step", "no deadline", "no exit" (every slot starts at 0: written at start)
+
+
+class Page:
+    """The page both processes map: named 64-bit slots (local; a slot is written by one side only)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, PAGE)
+
+    @classmethod
+    def create(cls) -> "Page":
+        fd = os.memfd_create("elastic-sentinel") if hasattr(os, "memfd_create") else _temp_fd()
+        os.ftruncate(fd, PAGE)
+        page = cls(fd)
+        for name in ("step", "deadline", "exit"):
+            page[name] = _UNSET
+        return page
+
+    def __getitem__(self, name: str) -> int:
+        return struct.unpack_from("q", self._map, 8 * SLOTS.index(name))[0]
+
+    def __setitem__(self, name: str, value: int) -> None:
+        struct.pack_into("q", self._map, 8 * SLOTS.index(name), value)
+
+    def read(self) -> dict[str, int | None]:
+        values = struct.unpack_from(f"{len(SLOTS)}q", self._map, 0)
+        return {name: (None if v == _UNSET else v) for name, v in zip(SLOTS, values)}
+
+
+def _temp_fd() -> int:
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix="elastic-sentinel-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.unlink(path)
+    return fd
 
 
 class Watchdog:
-    """The link to this process's sentinel (local; thread-safe: each message is one write)."""
+    """The link to this process's sentinel (local; every method is a few stores into shared memory)."""
 
-    def __init__(self, fd: int | None) -> None:
-        self._fd = fd
-        self._last_progress = 0.0
-        self._step: int | None = None
+    def __init__(self, page: Page | None, sentinel_pid: int | None) -> None:
+        self._page = page
+        self._sentinel = sentinel_pid
         self._thread: threading.Thread | None = None
 
     @classmethod
     def from_env(cls) -> "Watchdog":
-        text = os.environ.get(SENTINEL_FD_ENV)
-        return cls(int(text) if text and text.isdigit() else None)
+        fd, pid = os.environ.get(SENTINEL_FD_ENV, ""), os.environ.get(SENTINEL_PID_ENV, "")
+        if not (fd.isdigit() and pid.isdigit()) or int(pid) != os.getppid():
+            return cls(None, None)  # no sentinel, or the variables leaked into a process it did not start
+        return cls(Page(int(fd)), int(pid))
 
     @property
     def active(self) -> bool:
         """True when a sentinel watches this process."""
-        return self._fd is not None
+        return self._page is not None
 
     def start(self) -> None:
         """Start the heartbeat thread (idempotent)."""
-        if self._fd is None or self._thread is not None:
+        if self._page is None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         self._thread.start()
 
     def progress(self, step: int | None = None) -> None:
-        """The loop moved on (``step``: where it is now, recorded when this process dies).
+        """The loop moved on (``step``: where it is now, recorded if this process dies)."""
+        if self._page is not None:
+            self._page["progress"] += 1
+            if step is not None:
+                self._page["step"] = step
 
-        A new step is always sent (the sentinel must know the exact step of a
-        death); other progress at most every ``_PROGRESS_EVERY`` seconds.
-        """
-        now = time.monotonic()
-        if (step is not None and step != self._step) or now - self._last_progress >= _PROGRESS_EVERY:
-            self._step = self._step if step is None else step
-            self._last_progress = now
-            self._send(f"progress {'-' if self._step is None else self._step}")
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Inside: this process waits in MPI (for its peers), see the module docstring."""
+        if self._page is None:
+            yield
+            return
+        self._page["waiting"] += 1
+        try:
+            yield
+        finally:
+            self._page["waiting"] -= 1
 
     def watch_progress(self, on: bool) -> None:
         """Arm (active rank) or disarm (parked spare, finished) the progress timeout."""
-        self._send("arm" if on else "disarm")
+        if self._page is not None:
+            self._page["progress"] += 1  # arming starts the clock afresh
+            self._page["armed"] = int(on)
 
     def deadline(self, seconds: float | None) -> None:
         """Kill this process unless ``deadline(None)`` comes within ``seconds``."""
-        self._send("deadline off" if seconds is None else f"deadline {seconds:.3f}")
+        if self._page is not None:
+            self._page["deadline"] = _UNSET if seconds is None else time.monotonic_ns() + int(seconds * 1e9)
 
     def announce_exit(self, code: int) -> None:
         """This process leaves on purpose with ``code``; the sentinel then passes the code on."""
-        self._send(f"exit {code}")
+        if self._page is not None:
+            self._page["exit"] = code
 
     def _beat(self) -> None:
-        while self._send("beat"):
+        assert self._page is not None
+        while True:
+            if os.getppid() != self._sentinel:
+                # The sentinel is gone: the runtime already counts this rank as dead, so it must
+                # not go on as a process nobody waits for.
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._page["beat"] += 1
             time.sleep(BEAT_SECONDS)
-
-    def _send(self, line: str) -> bool:
-        if self._fd is None:
-            return False
-        try:
-            os.write(self._fd, (line + "\n").encode())
-            return True
-        except OSError:
-            # The sentinel is gone: the runtime already counts this rank as dead, so it must
-            # not go on as a process nobody waits for.
-            os.kill(os.getpid(), signal.SIGKILL)
-            return False

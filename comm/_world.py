@@ -14,13 +14,14 @@ How a process ends (together with the others, or alone) is ``_lifecycle``'s.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from mpi4py import MPI
 
@@ -197,9 +198,12 @@ class World:
         return {"logical": logical, "rank": current, "gen": self.generation, "role": self.role.value}
 
     # ------------------------------------------------------------ user calls
-    def guard(self):
-        """Context manager: MPI errors inside become ``ProcessFailure`` / ``Unrecoverable``."""
-        return mpi_errors(self.comm)
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Context manager around MPI calls on ``comm``: their errors become ``ProcessFailure`` /
+        ``Unrecoverable``, and the watchdog knows this rank is waiting for its peers, not stuck."""
+        with self.watchdog.waiting(), mpi_errors(self.comm):
+            yield
 
     def progress(self, step: int | None = None) -> None:
         """Tell the watchdog that the loop moved on (local, cheap); ``step``: where it is now."""
@@ -285,6 +289,7 @@ class World:
         uniform), so a failure at the very end is recovered like any other.
         Parked spares are released when the processes leave (``_lifecycle``).
         """
+        self.fault_point(None, "finish")
         with self.guard():
             self.comm.Agree(1)
         self.events.emit("finished")
@@ -331,6 +336,10 @@ class World:
         communicator (``members`` always holds it); a failure during the
         rebuild costs one more round. A spawned process ``join``s at the install.
         """
+        with self.watchdog.waiting():  # a rebuild waits for every live process
+            return self._rebuild_rounds(members, join)
+
+    def _rebuild_rounds(self, members: _Members, join: bool) -> Rebuild:
         started = time.perf_counter()
         self.failures_seen = True
         done = _Progress()
@@ -507,7 +516,7 @@ class World:
             raise
         if not everyone:
             self._abandon(inter)
-            self.events.emit("spawn_failed", logical=logical, error=str(error) if error else "on another process")
+            self.events.emit("spawn_failed", lost=logical, error=str(error) if error else "on another process")
             return False
         merged = inter.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)

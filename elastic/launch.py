@@ -187,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slurm", action="store_true",
                         help="run on the Slurm allocation around this launcher: its nodes and task slots "
                              "(each node is a failure domain for the replicated store)")
+    parser.add_argument("--host", help="hosts and their slots as mpirun takes them, e.g. nodea:4,nodeb:4")
     parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
@@ -216,7 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the program after --, e.g. -- python examples/jacobi.py")
-    args.hosts = slurm_allocation() if args.slurm else []
+    if args.slurm and args.host:
+        parser.error("give --slurm (the allocation's hosts) or --host, not both")
+    args.hosts = slurm_allocation() if args.slurm else _hosts(args.host, parser) if args.host else []
     if args.nprocs is None:
         if not args.slurm:
             parser.error("give -n (active ranks), or --slurm to size the job from the allocation")
@@ -237,6 +240,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()):
+            parser.error(f"--host {text!r}: write host:slots,host:slots (e.g. nodea:4,nodeb:4)")
+        hosts.append((name, int(slots or 1)))
+    return hosts
+
+
 def _validate(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, what the ranks would refuse or silently ignore."""
     from elastic.recovery import Policy
@@ -254,6 +267,9 @@ def _validate(args: argparse.Namespace) -> None:
         if entry.action == "hang" and not args.hang_timeout and not args.detector:
             raise ConfigError(f"injection {entry.to_dict()} hangs a rank, but --hang-timeout 0 turned the "
                               "heartbeat off and --detector is not on: nothing would ever notice it")
+        if entry.action == "stall" and not args.progress_timeout:
+            raise ConfigError(f"injection {entry.to_dict()} stalls a rank (alive, no progress): only "
+                              "--progress-timeout notices that; set it")
         if entry.point == "spawn" and "spawn" not in policy.modes:
             raise ConfigError(f"injection {entry.to_dict()} fires during a spawn, but --rebuild "
                               f"{','.join(policy.modes)} never spawns")
@@ -275,7 +291,7 @@ class _Output(threading.Thread):
                 after_noise = True
                 continue
             after_noise = False
-            self.sink.buffer.write(line)
+            self.sink.buffer.write(line.replace(b"\0", b""))  # prterun's stream can carry a stray NUL
             self.sink.flush()
 
 

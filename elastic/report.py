@@ -35,14 +35,22 @@ def final_steps(events: list[dict]) -> dict[int, dict]:
     return steps
 
 
-def ettr(events: list[dict]) -> float:
-    """Time in steps that count / wall time between the first start and the last finish."""
+def finished(events: list[dict]) -> bool:
+    return any(e["event"] == "finished" for e in events)
+
+
+def ettr(events: list[dict]) -> float | None:
+    """Time in steps that count / wall time between the first start and the last finish.
+
+    For a run that did not finish, up to its last event (None without steps or a start).
+    """
     started = [e["t"] for e in events if e["event"] == "started"]
-    finished = [e["t"] for e in events if e["event"] == "finished"]
-    if not started or not finished:
-        raise ValueError("the run has no start or no finish: ETTR needs a run that completed")
-    useful = sum(e["seconds"] for e in final_steps(events).values())
-    return useful / (max(finished) - min(started))
+    ends = [e["t"] for e in events if e["event"] == "finished"] or [e["t"] for e in events]
+    steps = final_steps(events)
+    if not started or not steps or max(ends) <= min(started):
+        return None
+    useful = sum(e["seconds"] for e in steps.values())
+    return useful / (max(ends) - min(started))
 
 
 def timeline(events: list[dict]) -> list[dict[str, Any]]:
@@ -54,7 +62,7 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
         of = [e for e in events if e.get("gen") == gen]
         before = [e for e in events if e.get("gen") == gen - 1]
         rebuilt = [e for e in of if e["event"] == "rebuilt"]
-        kills = [e["t"] for e in before if e["event"] == "inject" and e["action"] != "raise"]
+        kills = [e["t"] for e in before if e["event"] == "inject"]  # every injected action ends a process now
         seen = [e["t"] for e in before if e["event"] == "failure_seen"]
         start = min(kills) if kills else min(seen, default=min(e["t"] for e in rebuilt))
         restored = [e for e in of if e["event"] == "state_restored"]
@@ -74,11 +82,13 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "agree": 1e3 * max(e["durations"].get("agree", 0.0) for e in rebuilt),
             "rebuild": 1e3 * max(sum(e["durations"].get(k, 0.0) for k in ("shrink", "substitute", "install"))
                                  for e in rebuilt),
-            "restore": 1e3 * max((e["seconds"] for e in restored), default=0.0),
+            # None: another failure interrupted this recovery (the next row's recovery finished it).
+            "restore": 1e3 * max(e["seconds"] for e in restored) if restored else None,
             "resume": 1e3 * (first_after["t"] - restored_t) if first_after else None,
             "down": 1e3 * (first_after["t"] - start) if first_after else None,
             "redone": max(last_before - (first_after["step"] - 1), 0) if first_after else None,
-            "bytes": sum(e["bytes_moved"] for e in restored),
+            "bytes": sum(e["bytes_moved"] for e in restored) if restored else None,
+            "causes": rebuilt[0].get("causes", []),
             "size": rebuilt[0]["size"],
             "t_failure": start,
             "t_resumed": first_after["t"] if first_after else None,
@@ -90,24 +100,34 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
 def format_report(run_dir: Path, baseline: Path | None = None) -> str:
     events = read_events(run_dir)
     rows = timeline(events)
-    lines = [f"run {run_dir}: {len(rows)} failure(s), ETTR {ettr(events):.3f}"]
+    lines = [f"run {run_dir}: {len(rows)} failure(s), ETTR {_ratio(ettr(events))}"
+             + ("" if finished(events) else " (did not finish: up to its last event)")]
     if baseline is not None:
-        lines[0] += f" (failure-free run: ETTR {ettr(read_events(baseline)):.3f})"
+        lines[0] += f" (failure-free run: ETTR {_ratio(ettr(read_events(baseline)))})"
     head = ("gen", "failed", "mode", "size", "detect", "agree", "rebuild", "restore", "resume", "down", "redone",
             "MB moved")
     lines.append(" ".join(f"{h:>9}" for h in head) + "   (ms; redone = steps lost since the last commit)")
     for r in rows:
         cells = (r["gen"], ",".join(map(str, r["failed"])), r["mode"], r["size"], r["detect"], r["agree"],
-                 r["rebuild"], r["restore"], r["resume"], r["down"], r["redone"], r["bytes"] / 1e6)
+                 r["rebuild"], r["restore"], r["resume"], r["down"], r["redone"],
+                 None if r["bytes"] is None else r["bytes"] / 1e6)
         lines.append(" ".join(f"{c:>9.1f}" if isinstance(c, float) else f"{'-' if c is None else c!s:>9}"
                               for c in cells))
     for r in rows:
-        lines.append(f"  gen {r['gen']}: {r['reason']}")
+        causes = "; ".join(f"logical rank {c.get('logical')}: {c['what']}" for c in r["causes"])
+        interrupted = "; recovery interrupted by the next failure" if r["restore"] is None else ""
+        lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
+                     + (f"; died: {causes}" if causes else "") + interrupted)
     steps = final_steps(events)
     if steps:
         last = steps[max(steps)]
-        lines.append(f"final step {last['step']}, loss {last['loss']:.6f}")
+        loss = "-" if last.get("loss") is None else f"{last['loss']:.6f}"
+        lines.append(f"{'final' if finished(events) else 'last'} step {last['step']}, loss {loss}")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def pyplot(required: bool = True):

@@ -138,12 +138,12 @@ def main() -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0)
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
+                               loss=float("nan"))
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
-        loss = float("nan")
         while state.step < args.steps:
             world.fault_point(state.step)
             optimizer.zero_grad()
@@ -153,10 +153,11 @@ def main() -> int:
                 with torch.no_grad():
                     model[0].weight[0, 0] += 1.0
             state.step += 1
+            state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
             state.record_step(state.step, loss, total=args.steps, samples=samples)
             if state.step % args.commit_every == 0:
                 state.commit()
-        return loss
+        return state.loss
 
     loss = train(world, state)
     report(world, state, loss, model_sha256=digest(model.state_dict()),

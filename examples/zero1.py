@@ -55,12 +55,11 @@ def main() -> int:
     me = int(world.logical_rank)
     size = int(bounds[me + 1] - bounds[me])
     state = elastic.TorchState(world, model=model, replication=args.replication, local=("adam",), step=0,
-                               **{f"adam.{me}.m": np.zeros(size, np.float32), f"adam.{me}.v": np.zeros(size, np.float32)})
+                               loss=float("nan"), **{f"adam.{me}.m": np.zeros(size, np.float32), f"adam.{me}.v": np.zeros(size, np.float32)})
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
-        loss = float("nan")
         while state.step < args.steps:
             world.fault_point(state.step)
             model.zero_grad()
@@ -78,10 +77,11 @@ def main() -> int:
                         flat[bounds[s]:bounds[s + 1]] = values
             torch.nn.utils.vector_to_parameters(torch.from_numpy(flat), model.parameters())
             state.step += 1
+            state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
             state.record_step(state.step, loss, total=args.steps, samples=samples)
             if state.step % args.commit_every == 0:
                 state.commit()
-        return loss
+        return state.loss
 
     loss = train(world, state)
     with world.guard():

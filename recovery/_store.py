@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 from mpi4py import MPI
 
-from elastic.comm import ConfigError, ProcessFailure, World, mpi_errors
+from elastic.comm import ConfigError, ProcessFailure, World
 from elastic.comm._errors import agreed
 
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
@@ -264,7 +264,7 @@ class ReplicatedStore:
         error: Exception | None = None
         refused: ConfigError | None = None
         try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
-            with mpi_errors(comm):
+            with world.guard():
                 metas_list = comm.allgather((version, meta, bad_input))
             problems = [f"logical rank {r}: {p}" for r, (_, _, p) in zip(ranks, metas_list) if p]
             versions = {v for v, _, _ in metas_list}
@@ -276,7 +276,7 @@ class ReplicatedStore:
                                       "every rank must commit the same version together")
             else:
                 metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
-                with mpi_errors(comm):
+                with world.guard():
                     domains = self._domain_map(ranks)
                 placement = place_replicas(ranks, domains, self.replication,
                                            {r: len(metas[r].sums) for r in ranks})
@@ -379,7 +379,7 @@ class ReplicatedStore:
         ranks = [int(r) for r in world.logical_ranks]
         send_counts = [sum(c.nbytes for c in outgoing.get(r, [])) for r in ranks]
         expected = [sum(incoming.get(r, [])) for r in ranks]
-        with mpi_errors(comm):
+        with world.guard():
             recv_counts = comm.alltoall(send_counts)
             if recv_counts != expected:  # a planning bug, never silently mis-sliced data
                 raise RuntimeError(f"store transfer plan differs across ranks: expected {expected} bytes "
