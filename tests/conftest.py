@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.comm import read_events, read_outcomes
+from elastic.comm import read_events, read_fates, read_outcomes
+from elastic.report import final_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
@@ -32,6 +33,15 @@ class Job:
     @property
     def outcomes(self) -> list[dict]:
         return read_outcomes(self.run_dir)
+
+    @property
+    def fates(self) -> list[dict]:
+        """How each process ended, as its sentinel saw it."""
+        return read_fates(self.run_dir)
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
 
     @property
     def result(self) -> dict:
@@ -61,3 +71,25 @@ def reference_hash(tmp_path_factory) -> str:
     job = launch(tmp_path_factory.mktemp("reference"), 4)
     assert job.rc == 0, job.output
     return job.result["x_sha256"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Failure-free 4-rank runs, by program and arguments, computed once each."""
+    cache: dict[tuple[str, ...], dict] = {}
+
+    def get(program: tuple[str, ...]) -> dict:
+        if program not in cache:
+            job = launch(tmp_path_factory.mktemp("reference"), 4, program=program)
+            assert job.rc == 0, job.output
+            cache[program] = {"result": job.result, "steps": final_steps(job.events)}
+        return cache[program]
+    return get
+
+
+def assert_bitwise(job: Job, ref: dict, *keys: str) -> None:
+    """The job finished with the model (and ``keys``) bit for bit those of the failure-free run."""
+    assert job.rc == 0, job.output
+    for key in ("model_sha256",) + keys:
+        assert job.result[key] == ref["result"][key], key
+    assert job.result["steps"] == ref["result"]["steps"]

@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from conftest import assert_bitwise, launch
 from elastic.report import ettr, final_steps, timeline
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)
 ZERO = ("examples/zero1.py",)
 NO_DROPOUT = ("--dropout", "0")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Failure-free 4-rank runs, by program and arguments, computed once each."""
-    cache: dict[tuple[str, ...], dict] = {}
-
-    def get(program: tuple[str, ...]) -> dict:
-        if program not in cache:
-            job = launch(tmp_path_factory.mktemp("reference"), 4, program=program)
-            assert job.rc == 0, job.output
-            cache[program] = {"result": job.result, "steps": final_steps(job.events)}
-        return cache[program]
-    return get
-
-
-def assert_bitwise(job, ref: dict, *keys: str) -> None:
-    assert job.rc == 0, job.output
-    for key in ("model_sha256",) + keys:
-        assert job.result[key] == ref["result"][key], key
-    assert job.result["steps"] == ref["result"]["steps"]
 
 
 def single_rebuild(job) -> dict:

@@ -1,0 +1,258 @@
+"""Every way a process can end, under real mpiexec --with-ft ulfm: recovery, or a stop every process takes.
+
+One test per row of the README's failure table. Each asserts on the recovered
+state (bitwise the failure-free run where substitution is exact), on what every
+process wrote (outcome, sentinel fate, events), and on the launcher's exit status;
+a hang would end at the launcher's timeout (exit 124) and fail the test.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import JOB_TIMEOUT, ROOT, Job, assert_bitwise, launch
+from elastic.comm import read_events
+
+pytestmark = pytest.mark.fault
+TRAIN = ("examples/train.py",)
+FAULTY = ("tests/programs/faulty_train.py",)
+
+
+def fault(kind: str, rank: int = 1, step: int = 12, always: bool = False) -> dict[str, str]:
+    return {"FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step), "FAULT_ALWAYS": str(int(always))}
+
+
+def fates_by_end(job) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for f in job.fates:
+        out.setdefault(f["end"], []).append(f)
+    return out
+
+
+def the_rebuild(job) -> dict:
+    rebuilt = job.of("rebuilt")
+    assert rebuilt and len({e["gen"] for e in rebuilt}) == 1, rebuilt
+    return rebuilt[0]
+
+
+# ------------------------------------------------------------------ a rank's own failure: recovered
+def test_exception_on_one_rank_is_recovered_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("raise"))
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    failed = [o for o in job.outcomes if o["status"] == "failed"]
+    assert [(o["kind"], o["message"], o["logical"]) for o in failed] == \
+        [("ValueError", "a bug in the user's code at step 12", 1)]
+    rebuild = the_rebuild(job)
+    assert (rebuild["mode"], rebuild["failed"]) == ("spare", [1])
+    assert [c["what"] for c in rebuild["causes"]] == ["ValueError: a bug in the user's code at step 12"]
+    assert "failed at step 12: ValueError: a bug in the user's code at step 12" in job.output
+
+
+def test_sys_exit_on_one_rank_is_recovered_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("exit"))
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    (failed,) = [o for o in job.outcomes if o["status"] == "failed"]
+    assert (failed["kind"], failed["message"]) == ("SystemExit", "sys.exit(3) before the training finished")
+
+
+def test_nonzero_exit_without_any_flag_is_recovered_bitwise(tmp_path, reference):
+    # os._exit(3): no exception, no atexit; only the sentinel sees it (Open MPI alone never does).
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12:exit", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    (died,) = fates_by_end(job)["died"]
+    assert died["code"] == 3 and died["step"] == 12
+    assert the_rebuild(job)["failed"] == [1]
+
+
+def test_sigstop_without_any_flag_is_found_by_the_heartbeat(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12:hang", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    (hung,) = fates_by_end(job)["hung"]
+    assert hung["pid"] == job.of("inject")[0]["pid"] and hung["seconds"] == 10
+    assert the_rebuild(job)["failed"] == [1]
+
+
+def test_a_stalled_rank_and_only_it_is_killed_by_the_progress_timeout(tmp_path, reference):
+    # Alive and beating, but stuck (a deadlock, a read that never returns); its peers wait for it in
+    # MPI, and get twice the bound, so only the stalled rank dies.
+    job = launch(tmp_path, 4, "--spares", "1", "--progress-timeout", "5", "--inject", "1@12:stall", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    ends = fates_by_end(job)
+    assert [f["pid"] for f in ends["no-progress"]] == [job.of("inject")[0]["pid"]]
+    assert "in fire" in job.output  # its traceback, printed before the kill, says where it was stuck
+
+
+def test_an_external_sigkill_is_recovered_and_listed(tmp_path, reference):
+    job_dir = tmp_path / "run"
+    proc = _start(job_dir, "--spares", "1")
+    victim = _wait_for_step(job_dir, logical=1, step=8)
+    os.kill(victim, signal.SIGKILL)  # not an injection: nobody said it would die
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 30)
+    assert proc.returncode == 0, out
+    job = Job(proc.returncode, out, job_dir)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert f"pid {victim} (logical rank 1, generation 0): killed by SIGKILL" in out
+    assert "training finished" in out
+
+
+# ------------------------------------------------------------------ failures inside the machinery
+def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
+    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@12,3@spawn", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    rebuild = the_rebuild(job)
+    assert rebuild["failed"] == [1, 3] and rebuild["replaced"] == [1, 3] and rebuild["attempts"] >= 2
+    assert [o["status"] for o in job.outcomes].count("spawn-abandoned") == 1  # the first spawn's child
+
+
+def test_spawn_runs_under_the_default_detection(tmp_path, reference):
+    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "2@12", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    (spawned,) = job.of("spawned")
+    assert spawned["sentinel"] is True  # the replacement is watched like every other rank
+
+
+def test_a_spawn_that_cannot_work_falls_back_to_the_next_mode(tmp_path, reference):
+    # Four slots for four ranks and no oversubscription: the spawn has nowhere to go.
+    ref = reference(TRAIN + ("--dropout", "0"))
+    job = launch(tmp_path, 4, "--host", "localhost:4", "--rebuild", "spawn,shrink", "--inject", "1@12",
+                 program=TRAIN + ("--dropout", "0"))
+    assert job.rc == 0, job.output
+    assert job.of("spawn_failed") and the_rebuild(job)["mode"] == "shrink"
+    assert job.result["logical_ranks"] == [0, 2, 3]
+    assert abs(job.result["final_loss"] - ref["result"]["final_loss"]) <= 1e-5 * ref["result"]["final_loss"]
+
+
+def test_a_kill_inside_finish_is_recovered_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@finish", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert [e["point"] for e in job.of("inject")] == ["finish"]
+    assert job.result["final_loss"] == reference(TRAIN)["result"]["final_loss"]  # not NaN: the loss is state
+
+
+# ------------------------------------------------------------------ parked spares
+def test_a_dead_parked_spare_does_not_block_the_exit(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "s0@park", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert job.statuses() == ["finished"] * 4 + ["injected-kill"]
+
+
+def test_a_hung_parked_spare_is_killed_and_does_not_block_the_exit(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "s1@park:hang", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert job.statuses() == ["finished"] * 4 + ["injected-hang", "spare-unused"]
+    assert len(fates_by_end(job)["hung"]) == 1
+
+
+# ------------------------------------------------------------------ stops every process takes
+def test_losing_both_holders_with_spares_left_stops_every_process_with_data_lost(tmp_path):
+    job = launch(tmp_path, 4, "--spares", "3", "--inject", "1@5,2@5", program=TRAIN)
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 4 and {o["kind"] for o in errors} == {"DataLost"}
+    assert len({o["message"] for o in errors}) == 1
+    assert job.statuses().count("spare-unused") == 1  # the spare nobody needed was released
+    assert "training did not finish: DataLost" in job.output
+
+
+def test_a_refused_commit_with_a_parked_spare_stops_every_process(tmp_path):
+    job = launch(tmp_path, 4, "--spares", "1", program=TRAIN + ("--diverge-at", "7"))
+    assert job.rc == 1, job.output
+    assert job.statuses() == ["error"] * 4 + ["spare-unused"]
+    assert not any(f["end"] != "exited" for f in job.fates)  # nobody was killed: they left together
+
+
+def test_the_same_error_at_the_same_step_twice_stops_the_job(tmp_path):
+    job = launch(tmp_path, 4, "--spares", "2", program=FAULTY, env=fault("raise", always=True))
+    assert job.rc == 1, job.output
+    failed = [o for o in job.outcomes if o["status"] == "failed"]
+    assert [(o["logical"], o["step"]) for o in failed] == [(1, 12), (1, 12)]  # the original, one replacement
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 4 and len({o["message"] for o in errors}) == 1
+    assert "failed with the same error at step 12" in errors[0]["message"]
+    assert "ValueError: a bug in the user's code at step 12" in errors[0]["message"]
+
+
+# ------------------------------------------------------------------ the launcher's lifecycle
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+    job_dir = tmp_path / "run"
+    proc = _start(job_dir, "--spares", "1", steps=100000)
+    _wait_for_step(job_dir, logical=0, step=3)
+    pids = {e["pid"] for e in read_events(job_dir) if e["event"] == "started"}
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out
+    alive = [pid for pid in pids if _alive(pid)]
+    assert len(pids) == 5 and not alive, (pids, alive)
+
+
+def test_the_report_reads_a_run_that_did_not_finish(tmp_path):
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--min-size", "3", "--inject", "1@4,2@4", program=TRAIN)
+    assert job.rc == 1, job.output
+    report = subprocess.run([sys.executable, "-m", "elastic.report", str(job.run_dir)], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert report.returncode == 0, report.stderr
+    assert "did not finish" in report.stdout and "last step" in report.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--rebuild", "spare,restart"), "drawn from"),
+    (("--inject", "1@x"), "write e.g."),
+    (("--inject", "7@10"), "logical rank 7 does not exist with -n 4"),
+    (("--inject", "s0@park"), "there are 0 spares"),
+    (("--inject", "1@5:hang", "--hang-timeout", "0"), "nothing would ever notice it"),
+    (("--inject", "1@5:stall"), "only --progress-timeout notices"),
+    (("--inject", "1@spawn"), "never spawns"),
+])
+def test_bad_options_are_refused_before_anything_starts(tmp_path, args, says):
+    proc = subprocess.run([sys.executable, "-m", "elastic.launch", "-n", "4", "--run-dir", str(tmp_path / "run"),
+                           *args, "--", sys.executable, "examples/train.py"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()  # mpiexec never started
+
+
+def test_an_injection_that_never_fires_is_named(tmp_path, reference):
+    job = launch(tmp_path, 4, "--inject", "2@1000", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert "injection {'rank': 2, 'step': 1000, 'point': 'step', 'action': 'kill', 'gen': 0} never fired" in job.output
+    assert job.summary["never_fired"] == [{"rank": 2, "step": 1000, "point": "step", "action": "kill", "gen": 0}]
+
+
+# ------------------------------------------------------------------ helpers
+def _start(run_dir, *launcher_args: str, steps: int = 60) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elastic.launch", "-n", "4", "--timeout", str(JOB_TIMEOUT),
+                             "--run-dir", str(run_dir), *launcher_args, "--", sys.executable, *TRAIN,
+                             "--steps", str(steps)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+
+
+def _wait_for_step(run_dir, logical: int, step: int) -> int:
+    """Poll the events (a condition, not a sleep) until the job reached ``step``; returns the pid of
+    logical rank ``logical``."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            events = read_events(run_dir) if run_dir.exists() else []
+        except ValueError:  # a line being written right now
+            events = []
+        pid = next((e["pid"] for e in events if e["event"] == "started" and e["logical"] == logical), None)
+        if pid is not None and any(e["event"] == "step" and e["step"] >= step for e in events):
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"the job never reached step {step}")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is dead already: it only waits for its parent to read its status)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
