@@ -1,0 +1,210 @@
+"""A chaos campaign: randomized real failures, each job checked against a failure-free run.
+
+    python scripts/chaos.py --runs 200 --seed 7            # prints a table; exit 1 on any hang or mismatch
+    python scripts/chaos.py --runs 10 --seed 3 --json      # one JSON object per run, then the totals
+
+Each run draws, from the seed, a rebuild mode (spare / spawn / shrink / mixed), a
+replication level (2 or 3) and one or two victims: where they fail (a step, the
+middle of a gradient all-reduce, the middle of a commit, inside the rebuild or
+the spawn, while sending recovery data, inside ``finish()``, or a parked spare)
+and how (SIGKILL, ``os._exit(3)``, an exception, SIGSTOP, a stall). It runs
+``examples/train.py`` (dropout off) on 4 ranks under the launcher with a bound,
+and checks the outcome:
+
+* finished, with a spare or a spawned process: model and optimizer bitwise the
+  failure-free run's; after a shrink: the loss within 1e-5 (relative);
+* ``DataLost`` on every process, when every holder of some chunk was among the
+  victims that died before their state was copied again (computed from the
+  store's own placement);
+* anything else is a *mismatch*, and the launcher's timeout a *hang*.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic.comm import read_events, read_outcomes  # noqa: E402
+from elastic.recovery import place_replicas  # noqa: E402
+
+RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
+PROGRAM = ("examples/train.py", "--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
+HANG_TIMEOUT, PROGRESS_TIMEOUT = 5, 5
+ACTIONS = ("kill", "kill", "exit", "raise", "hang")  # SIGKILL is what clusters meet most
+
+
+@dataclasses.dataclass
+class Scenario:
+    mode: str
+    rebuild: str
+    spares: int
+    replication: int
+    inject: str
+    stall: bool = False
+
+    def args(self) -> list[str]:
+        out = ["--rebuild", self.rebuild, "--spares", str(self.spares), "--inject", self.inject,
+               "--hang-timeout", str(HANG_TIMEOUT)]
+        return out + (["--progress-timeout", str(PROGRESS_TIMEOUT)] if self.stall else [])
+
+
+def draw(rng: random.Random) -> Scenario:
+    """One random scenario the launcher accepts."""
+    mode = rng.choice(("spare", "spawn", "shrink", "mixed"))
+    rebuild = {"spare": "spare", "spawn": "spawn", "shrink": "shrink",
+               "mixed": rng.choice(("spare,spawn,shrink", "spare,shrink", "spare,spawn"))}[mode]
+    ranks = rng.sample(range(RANKS), 2)
+    step = rng.randrange(6, STEPS - 3)
+    first_point = rng.choice(("step", "step", "collective", "commit", "finish", "park")
+                             if "spare" in rebuild else ("step", "step", "collective", "commit", "finish"))
+    action = rng.choice(ACTIONS + (("stall",) if first_point == "step" else ()))
+    entries, spare_victims, stall = [], 0, action == "stall"
+    if first_point == "park":
+        entries.append(f"s0@park:{action}")
+        spare_victims = 1
+    elif first_point == "commit":
+        entries.append(f"{ranks[0]}@commit{rng.randrange(1, STEPS // COMMIT_EVERY)}:{action}")
+    elif first_point == "finish":
+        entries.append(f"{ranks[0]}@finish:{action}")
+    else:
+        entries.append(f"{ranks[0]}@{'c' if first_point == 'collective' else ''}{step}:{action}")
+    actives = 0 if first_point == "park" else 1
+    if first_point in ("step", "collective") and rng.random() < 0.6:  # a second victim
+        timing = rng.choice(("same", "later", "during"))
+        second = rng.choice(("kill", "kill", "exit", "raise", "hang"))
+        if timing == "same":
+            entries.append(f"{ranks[1]}@{step}:{second}")
+        elif timing == "later":
+            entries.append(f"{ranks[1]}@{min(step + rng.randrange(3, 8), STEPS - 1)}:{second}/g1")
+        else:
+            points = ["agree", "rebuild", "restore"] + (["spawn"] if rebuild == "spawn" else [])
+            point = rng.choice(points)
+            entries.append(f"{ranks[1]}@{point}:{second}" + ("/g1" if point == "restore" else ""))
+        actives += 1
+    spares = {"spare": actives + spare_victims, "mixed": 1 + spare_victims}.get(mode, 0)
+    return Scenario(mode, rebuild, spares, rng.choice((2, 3)), ",".join(entries), stall)
+
+
+# ---------------------------------------------------------------------------- running and checking
+def launch(args: list[str], program: tuple[str, ...], run_dir: Path, bound: float) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "elastic.launch", "-n", str(RANKS), "--timeout", str(bound),
+           "--run-dir", str(run_dir), *args, "--", sys.executable, *program]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=bound + 60)
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:  # the launcher itself hung: the worst outcome there is
+        return 124, str(exc.stdout or "") + str(exc.stderr or ""), time.monotonic() - t0
+
+
+def reference(replication: int, work: Path, cache: dict[int, dict]) -> dict:
+    if replication not in cache:
+        run_dir = work / f"reference-r{replication}"
+        rc, out, _ = launch([], PROGRAM + ("--replication", str(replication)), run_dir, 300)
+        if rc != 0:
+            raise SystemExit(f"the failure-free reference run failed (rc {rc}):\n{out[-3000:]}")
+        chunks = max(-(-e["payload_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
+        cache[replication] = {**json.loads((run_dir / "result.json").read_text()), "chunks": chunks}
+    return cache[replication]
+
+
+def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
+    """Whether every holder of some chunk is among the victims that died before their state was
+    copied again: those that fired before the first rebuild ended (generation 0), and those that
+    died sending recovery data. Victims that came after a completed recovery lose nothing."""
+    fired = [e for e in read_events(run_dir) if e["event"] == "inject" and e["point"] != "park"]
+    overlapping = {e["rank"] for e in fired if e["gen"] == 0 or e["point"] == "restore"}
+    placement = place_replicas(list(range(RANKS)), {r: "host" for r in range(RANKS)}, scenario.replication,
+                               {r: chunks for r in range(RANKS)})
+    return any(set(holders) <= overlapping for holders in placement.values())
+
+
+def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, str]:
+    """(verdict, detail): correct / clear error / hang / mismatch."""
+    if rc == 124:
+        return "hang", "the job ran into its bound"
+    outcomes = read_outcomes(run_dir)
+    expect_loss = loss_expected(run_dir, scenario, ref["chunks"])
+    if rc == 0:
+        if expect_loss:
+            return "mismatch", "finished although every holder of some chunk died"
+        result = json.loads((run_dir / "result.json").read_text())
+        shrunk = any("shrink" in e["mode"] for e in read_events(run_dir) if e["event"] == "rebuilt")
+        if result["steps"] != ref["steps"]:
+            return "mismatch", f"{result['steps']} steps, not {ref['steps']}"
+        if shrunk:
+            ok = abs(result["final_loss"] - ref["final_loss"]) <= 1e-5 * ref["final_loss"]
+            return ("correct", "shrink: loss within 1e-5") if ok else \
+                ("mismatch", f"loss {result['final_loss']} vs {ref['final_loss']}")
+        same = all(result[k] == ref[k] for k in ("model_sha256", "optimizer_sha256"))
+        return ("correct", "bitwise") if same else ("mismatch", "model or optimizer differs from the reference")
+    errors = [o for o in outcomes if o["status"] == "error"]
+    if rc == 1 and errors and {o["kind"] for o in errors} == {"DataLost"} and len({o["message"] for o in errors}) == 1 \
+            and not any(o["status"] == "finished" for o in outcomes):
+        return ("clear error", "DataLost on every process") if expect_loss else \
+            ("mismatch", "DataLost although a holder of every chunk survived")
+    told = "; ".join(sorted({f"{o['kind']}: {o['message']}"[:160] for o in errors})) or "no agreed error"
+    return "mismatch", f"rc {rc}: {told}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bound", type=float, default=150.0, help="seconds one job may take before it is a hang")
+    parser.add_argument("--keep", type=Path, help="keep every run's directory here (default: only failures)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run, then the totals")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
+    keep = args.keep or ROOT / "elastic-run" / f"chaos-{args.seed}"
+    refs: dict[int, dict] = {}
+    rows = []
+    for i in range(args.runs):
+        scenario = draw(rng)
+        ref = reference(scenario.replication, work, refs)
+        run_dir = work / f"run-{i}"
+        rc, out, seconds = launch(scenario.args(), PROGRAM + ("--replication", str(scenario.replication)),
+                                  run_dir, args.bound)
+        verdict, detail = check(scenario, rc, run_dir, ref)
+        row = {"run": i, **dataclasses.asdict(scenario), "rc": rc, "verdict": verdict, "detail": detail,
+               "seconds": round(seconds, 1)}
+        rows.append(row)
+        if verdict in ("hang", "mismatch") or args.keep:
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(run_dir, keep / f"run-{i}", dirs_exist_ok=True)
+            (keep / f"run-{i}" / "launcher.txt").write_text(out)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{i:>4} {scenario.mode:>6} r{scenario.replication} {scenario.inject:<34} rc {rc:>3} "
+                  f"{seconds:6.1f} s  {verdict}: {detail}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("correct", "clear error", "hang", "mismatch")}
+    totals = {"runs": len(rows), "finished correct": counts["correct"], "clear error": counts["clear error"],
+              "hang": counts["hang"], "mismatch": counts["mismatch"],
+              "median wall s": round(statistics.median(r["seconds"] for r in rows), 1) if rows else None,
+              "seed": args.seed}
+    if args.json:
+        print(json.dumps(totals))
+    else:
+        print("\n" + " | ".join(f"{k}" for k in totals) + "\n" + " | ".join(str(v) for v in totals.values()))
+        if counts["hang"] or counts["mismatch"]:
+            print(f"failed runs kept in {keep}")
+    return 1 if counts["hang"] or counts["mismatch"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
