@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-RUN_DIR_ENV = "ELASTIC_RUN_DIR"
-
 
 class EventLog:
     """Appends one JSON object per event; a no-op when no run directory is set."""

@@ -12,17 +12,16 @@ sentinel watches the program (through a page of shared memory, see
 
 * exits without having announced it (``os._exit(3)``, a native ``exit()``, a
   signal), or
-* stops beating for ``ELASTIC_HANG_TIMEOUT`` seconds (SIGSTOP, a frozen
-  process), or makes no progress for ``ELASTIC_PROGRESS_TIMEOUT`` seconds
-  (twice that while it waits in MPI for its peers), or misses a deadline it
-  asked for,
+* stops beating for ``hang_timeout`` seconds (SIGSTOP, a frozen process), or
+  makes no progress for ``progress_timeout`` seconds (twice that while it
+  waits in MPI for its peers), or misses a deadline it asked for,
 
 kills what is left of it and then itself with SIGKILL: the survivors see a
 failure within milliseconds and recover. Each time it writes
-``fate-<host>-<pid>.json`` (pid: the program's) in ``ELASTIC_RUN_DIR``, saying
+``fate-<host>-<pid>.json`` (pid: the program's) in the run directory, saying
 how the process ended, which the launcher lists. SIGTERM / SIGINT / SIGHUP are
-passed on to the program, which gets ``ELASTIC_TERM_GRACE`` seconds to leave
-before it is killed. This module imports no MPI.
+passed on to the program, which gets ``term_grace`` seconds to leave before it
+is killed. The settings are the job's ``Config``. This module imports no MPI.
 """
 from __future__ import annotations
 
@@ -36,41 +35,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._config import Config
+from ._errors import ConfigError
 from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, Page
 
-HANG_TIMEOUT_ENV = "ELASTIC_HANG_TIMEOUT"
-PROGRESS_TIMEOUT_ENV = "ELASTIC_PROGRESS_TIMEOUT"
-TERM_GRACE_ENV = "ELASTIC_TERM_GRACE"
-DEFAULT_HANG_TIMEOUT = 10.0
-DEFAULT_TERM_GRACE = 5.0
 EXIT_GRACE = 30.0        # after an announced exit: MPI_Finalize may hang after failures (ompi #11404)
 POLL_SECONDS = 0.1
 DUMP_SECONDS = 1.0       # time given to a stuck process to print its traceback (SIGUSR1) before the kill
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _seconds(name: str, default: float) -> float:
-    text = os.environ.get(name, "")
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        sys.stderr.write(f"[sentinel] {name}={text!r}: give seconds >= 0 (0 turns it off); using {default}\n")
-        value = default
-    return value
-
-
 class Sentinel:
     """Watches one child process; see the module docstring (local to this host)."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], config: Config) -> None:
         self.command = command
-        self.hang_timeout = _seconds(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT)
-        self.progress_timeout = _seconds(PROGRESS_TIMEOUT_ENV, 0.0)
-        self.term_grace = _seconds(TERM_GRACE_ENV, DEFAULT_TERM_GRACE)
-        run_dir = os.environ.get("ELASTIC_RUN_DIR")
-        self.run_dir = Path(run_dir) if run_dir else None
+        self.hang_timeout, self.progress_timeout = config.hang_timeout, config.progress_timeout
+        self.term_grace = config.term_grace
+        self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.page = Page.create()
         self.seen: dict[str, int | None] = self.page.read()
         self.last_beat: float | None = None      # liveness is armed by the first heartbeat
@@ -193,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         sys.stderr.write("usage: python -m elastic.comm._sentinel -- PROGRAM [ARGS...]\n")
         return 2
-    return Sentinel(args).run()
+    try:
+        config = Config.from_env()
+    except ConfigError as exc:
+        sys.stderr.write(f"[sentinel] {exc}\n")
+        return 2
+    return Sentinel(args, config).run()
 
 
 if __name__ == "__main__":

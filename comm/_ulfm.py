@@ -7,8 +7,6 @@ from mpi4py import MPI
 
 from ._errors import UlfmUnavailable, translate
 
-REQUIRE_ULFM_ENV = "ELASTIC_REQUIRE_ULFM"
-
 _HOW_TO_RUN = (
     "Launch with `python -m elastic.launch -n N -- python your_script.py` or "
     "`mpiexec --with-ft ulfm -n N python your_script.py` (Open MPI >= 5; add --allow-run-as-root as root, "
@@ -17,13 +15,14 @@ _HOW_TO_RUN = (
 )
 
 
-def check_ulfm() -> None:
+def check_ulfm(required: bool = True) -> None:
     """Raise ``UlfmUnavailable`` unless MPI can survive a process failure (local, no communication).
 
     Every rank of a job sees the same library and launch, so every rank raises
     together and the job ends instead of hanging at the first failure.
+    ``required=False`` (``ELASTIC_REQUIRE_ULFM=0``) skips the check.
     """
-    if os.environ.get(REQUIRE_ULFM_ENV, "1") == "0":
+    if not required:
         return
     if not hasattr(MPI.Comm, "Shrink"):
         raise UlfmUnavailable("mpi4py >= 4 is needed for ULFM (Comm.Shrink/Agree/Revoke): "

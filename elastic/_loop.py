@@ -2,37 +2,32 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from elastic.comm import ConfigError, ProcessFailure, Role, Unrecoverable, World, init as _comm_init
-from elastic.comm._errors import agreed
+from elastic.comm import Config, ConfigError, ProcessFailure, RebuildPolicy, Role, Unrecoverable, World, agreed
+from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
 from ._state import State
 
-MAX_FAILURES_ENV = "ELASTIC_MAX_FAILURES"
 T = TypeVar("T")
 
 
-def init(*, spares: int | None = None, policy: Policy | None = None, run_dir: str | None = None,
-         inject: str | None = None) -> World:
+def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
-        spares: processes that park as hot spares (default ``ELASTIC_SPARES`` or 0).
-        policy: how lost ranks are filled (default ``Policy.from_env()``: the launcher's
-            ``--rebuild``, ``--min-size`` and the other ``ELASTIC_*`` policy settings).
-        run_dir: where JSON-line events go (default ``ELASTIC_RUN_DIR``).
-        inject: a fault schedule (default ``ELASTIC_INJECT``).
+        config: the job's settings (default ``Config.from_env()``: what the launcher set);
+            keyword ``settings`` override single fields (``spares=1``, ``run_dir=...``).
+        policy: how lost ranks are filled (default ``Policy.from_config(config)``: the
+            launcher's ``--rebuild``, ``--min-size`` and the other policy settings).
 
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
-    policy = Policy.from_env() if policy is None else policy
-    return _comm_init(spares=spares, rebuild=policy.modes, min_size=policy.min_size, run_dir=run_dir,
-                      inject=inject, decide=policy)
+    config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy)
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None) -> Any:
@@ -47,7 +42,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
 
     Args:
         max_failures: failures in a row without a successful commit before giving up
-            (default ``ELASTIC_MAX_FAILURES`` or 3).
+            (default: the configuration's, ``ELASTIC_MAX_FAILURES``, 3).
 
     Raises:
         Unrecoverable: more failures than the policy or ``max_failures`` allow; the
@@ -55,13 +50,12 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
     """
     if func is None:
         return functools.partial(run, max_failures=max_failures)
-    text = os.environ.get(MAX_FAILURES_ENV, "3") if max_failures is None else str(max_failures)
-    if not text.isdigit():
-        raise ConfigError(f"max_failures={text!r} ({MAX_FAILURES_ENV}): give a whole number >= 0")
-    limit = int(text)
+    if max_failures is not None and max_failures < 0:
+        raise ConfigError(f"max_failures={max_failures}: give a whole number >= 0")
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
+        limit = world.config.max_failures if max_failures is None else max_failures
         reset = world.role is Role.RECOVERED
         while True:
             try:
@@ -81,7 +75,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 world.finish()
                 return result
             except ProcessFailure:
-                world.recover()
+                world.recover(state.outlook)
                 reset = True
 
     return wrapper
@@ -112,7 +106,6 @@ def allreduce_gradients(world: World, model: Any, bucket_bytes: int = 4 << 20, s
     ``collective`` fault fire while the reduction is in flight.
     """
     import torch
-    from mpi4py import MPI
 
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -127,10 +120,7 @@ def allreduce_gradients(world: World, model: Any, bucket_bytes: int = 4 << 20, s
         buckets[-1].append(p)
         size += p.grad.nbytes
     flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets if bucket]
-    with world.guard():
-        requests = [world.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM) for flat in flats]
-        world.fault_point(step, "collective")
-        MPI.Request.Waitall(requests)
+    world.allreduce([flat.numpy() for flat in flats], step=step)
     for bucket, flat in zip(buckets, flats):
         offset = 0
         for p in bucket:

@@ -14,8 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, World
-from elastic.comm._errors import agreed
+from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
@@ -56,12 +55,14 @@ class StepClock:
 
     Local. A step's duration counts from the previous step or from the last
     ``restart()`` (the end of a recovery), so recovery time is never taken for
-    training time.
+    training time. ``outlook`` (seconds per step, smoothed; steps left) is what
+    ``elastic.run`` hands to ``World.recover`` for the rebuild policy.
     """
 
     def __init__(self, world: World) -> None:
         self._world = world
         self._last: float | None = None
+        self.outlook = Outlook()
 
     def restart(self) -> None:
         self._last = time.perf_counter()
@@ -70,19 +71,18 @@ class StepClock:
         now = time.perf_counter()
         seconds = now - self._last if self._last is not None else 0.0
         self._last = now
+        before = self.outlook.step_seconds
+        self.outlook = Outlook(seconds if before is None else 0.8 * before + 0.2 * seconds,
+                               max(total - step, 0) if total is not None else self.outlook.remaining_steps)
         world = self._world
-        outlook = world.outlook
-        outlook["step_seconds"] = seconds if "step_seconds" not in outlook else \
-            0.8 * outlook["step_seconds"] + 0.2 * seconds
-        if total is not None:
-            outlook["remaining_steps"] = max(total - step, 0)
         if world.rank == 0:
             world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
             if step % PROGRESS_EVERY == 0 or step == total:
                 of = f"/{total}" if total else ""
                 shown = f" loss {loss:.5f}" if loss is not None else ""
-                print(f"[train] step {step}{of}{shown}  {1 / max(outlook['step_seconds'], 1e-9):.1f} steps/s  "
-                      f"{world.size} ranks  generation {world.generation}", flush=True)
+                rate = 1 / max(self.outlook.step_seconds or 0.0, 1e-9)
+                print(f"[train] step {step}{of}{shown}  {rate:.1f} steps/s  {world.size} ranks  "
+                      f"generation {world.generation}", flush=True)
 
 
 def _torch_kind(dtype: Any) -> str:
@@ -166,6 +166,11 @@ class State:
         return self._world
 
     @property
+    def outlook(self) -> Outlook:
+        """The loop's view ahead, from ``record_step`` (for the rebuild policy)."""
+        return self._clock.outlook
+
+    @property
     def version(self) -> int | None:
         """The last agreed commit (None before the first)."""
         return self._store.version
@@ -204,7 +209,8 @@ class State:
         world = self._world
         versions = world.allgather(self.version)
         if len(set(versions)) != 1:
-            raise agreed(ConfigError(f"ranks restored different versions {versions}: the store's agreement broke"))
+            raise agreed(Unrecoverable(f"ranks restored different versions {versions}: the store's agreement broke "
+                                       "(a bug, please report it)"))
         if versions[0] is None:
             shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
             self._apply(world.bcast(shared, root=world.first_survivor))
@@ -220,11 +226,7 @@ class State:
     def _recover(self) -> None:
         """After ``World.recover()``: get lost state back from peers and roll back (collective)."""
         t0 = time.perf_counter()
-        try:
-            self._store.recover(adopt=self._adopt)
-        except ConfigError:
-            if self.version is not None:
-                raise
+        if not self._store.recover(adopt=self._adopt):
             return  # no version was ever committed: sync() starts over from the first survivor
         self.restore()
         self._world.events.emit("state_restored", version=self.version, seconds=time.perf_counter() - t0,

@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.comm import ConfigError, Injection, parse_schedule, read_events, read_fates, read_outcomes
+from elastic.comm import Config, ConfigError, Injection, read_events, read_fates, read_outcomes
 from elastic.comm._events import describe_end
-from elastic.comm._sentinel import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT_ENV, PROGRESS_TIMEOUT_ENV, TERM_GRACE_ENV
-from elastic.comm._settings import MIN_SIZE_ENV, REBUILD_ENV, SPARES_ENV
 
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
@@ -86,18 +84,8 @@ def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
 
 
 def _job_env(args: argparse.Namespace) -> dict[str, str]:
-    # Every ELASTIC_* setting of the caller travels with the job (on other hosts too, through -x).
-    env = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_")}
-    env.update({"ELASTIC_RUN_DIR": str(args.run_dir), SPARES_ENV: str(args.spares), "PYTHONUNBUFFERED": "1",
-                HANG_TIMEOUT_ENV: f"{args.hang_timeout:g}", PROGRESS_TIMEOUT_ENV: f"{args.progress_timeout:g}",
-                TERM_GRACE_ENV: f"{args.grace:g}"})
-    if args.rebuild:
-        env[REBUILD_ENV] = args.rebuild
-    if args.inject:
-        env["ELASTIC_INJECT"] = args.inject
-    if args.min_size:
-        env[MIN_SIZE_ENV] = str(args.min_size)
-    return env
+    # The job's whole configuration travels with it (to other hosts too, through -x).
+    return {**args.config.to_env(), "PYTHONUNBUFFERED": "1"}
 
 
 # ---------------------------------------------------------------------------- the outcome
@@ -192,11 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
     parser.add_argument("--inject", help="fault schedule, e.g. 1@10 or 1@5,2@10/g1 (see elastic.comm)")
-    parser.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT,
+    parser.add_argument("--hang-timeout", type=float,
                         help="seconds without a heartbeat before a rank counts as hung and is killed "
-                             f"(the heartbeat needs no MPI call from your code; default {DEFAULT_HANG_TIMEOUT:g}, "
+                             f"(the heartbeat needs no MPI call from your code; default {Config.hang_timeout:g}, "
                              "0 = off)")
-    parser.add_argument("--progress-timeout", type=float, default=0.0,
+    parser.add_argument("--progress-timeout", type=float,
                         help="seconds an active rank may go without progress (a step, a commit) before it is "
                              "killed: catches deadlocks and stuck reads (default 0 = off; set it above your "
                              "longest step)")
@@ -226,17 +214,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.nprocs = sum(n for _, n in args.hosts) - args.spares
     if args.nprocs < 1 or args.spares < 0:
         parser.error("-n must be >= 1 and --spares >= 0")
-    for name in ("hang_timeout", "progress_timeout", "grace"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds")
+    if args.grace < 0:
+        parser.error("--grace must be >= 0 seconds")
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
+    if args.run_dir is None:
+        args.run_dir = Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     try:
+        args.config = Config.from_env(spares=args.spares, rebuild=args.rebuild, min_size=args.min_size,
+                                      inject=args.inject, hang_timeout=args.hang_timeout,
+                                      progress_timeout=args.progress_timeout, term_grace=args.grace,
+                                      run_dir=str(args.run_dir))
         _validate(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    if args.run_dir is None:
-        args.run_dir = Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
+    args.schedule = args.config.inject
     return args
 
 
@@ -253,21 +245,19 @@ def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
 def _validate(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, what the ranks would refuse or silently ignore."""
     from elastic.recovery import Policy
-    env = {**os.environ, **({REBUILD_ENV: args.rebuild} if args.rebuild else {}),
-           **({MIN_SIZE_ENV: str(args.min_size)} if args.min_size is not None else {})}
-    policy = Policy.from_env(env)
-    args.schedule = parse_schedule(args.inject or os.environ.get("ELASTIC_INJECT"))
-    for entry in args.schedule:
+    config = args.config
+    policy = Policy.from_config(config)
+    for entry in config.inject:
         if entry.point == "park":
-            if entry.rank >= args.spares:
-                raise ConfigError(f"injection s{entry.rank}@park: there are {args.spares} spares (s0 is the first)")
+            if entry.rank >= config.spares:
+                raise ConfigError(f"injection s{entry.rank}@park: there are {config.spares} spares (s0 is the first)")
         elif entry.rank >= args.nprocs:
             raise ConfigError(f"injection {entry.to_dict()}: logical rank {entry.rank} does not exist with "
                               f"-n {args.nprocs} (ranks 0..{args.nprocs - 1})")
-        if entry.action == "hang" and not args.hang_timeout and not args.detector:
+        if entry.action == "hang" and not config.hang_timeout and not args.detector:
             raise ConfigError(f"injection {entry.to_dict()} hangs a rank, but --hang-timeout 0 turned the "
                               "heartbeat off and --detector is not on: nothing would ever notice it")
-        if entry.action == "stall" and not args.progress_timeout:
+        if entry.action == "stall" and not config.progress_timeout:
             raise ConfigError(f"injection {entry.to_dict()} stalls a rank (alive, no progress): only "
                               "--progress-timeout notices that; set it")
         if entry.point == "spawn" and "spawn" not in policy.modes:

@@ -18,11 +18,11 @@ from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 
 if TYPE_CHECKING:
-    from ._store import DOMAINS_ENV, ReplicatedStore, checksum
+    from ._store import ReplicatedStore, checksum
 
 __getattr__, __dir__ = lazy_exports(globals(), {
-    "ReplicatedStore": "._store", "checksum": "._store", "DOMAINS_ENV": "._store",
+    "ReplicatedStore": "._store", "checksum": "._store",
 })
 
-__all__ = ["ReplicatedStore", "DataLost", "DOMAINS_ENV", "Chunk", "place_replicas", "plan_transfers", "Policy",
+__all__ = ["ReplicatedStore", "DataLost", "Chunk", "place_replicas", "plan_transfers", "Policy",
            "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average", "replica_holders", "LR_BOOST"]

@@ -13,11 +13,13 @@ from typing import Mapping, Sequence
 
 import networkx as nx
 
+from elastic.comm import Unrecoverable
+
 Chunk = tuple[int, int]  # (owner logical rank, chunk index)
 
 
-class DataLost(Exception):
-    """Every holder of some chunks is dead; ``lost`` maps owner -> chunk indices."""
+class DataLost(Unrecoverable):
+    """Every holder of some chunks is dead, so the job cannot go on; ``lost`` maps owner -> chunk indices."""
 
     def __init__(self, lost: Mapping[int, Sequence[int]]) -> None:
         self.lost = {o: sorted(c) for o, c in lost.items()}

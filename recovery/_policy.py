@@ -1,23 +1,18 @@
-"""Shrink or substitute: how the lost logical ranks of one rebuild are filled (pure, no MPI).
+"""Shrink or substitute: spares first, then spawn or shrink by order or by cost (pure, no MPI).
 
-A ``Policy`` is handed to ``elastic.comm.init(decide=...)``; at every rebuild
-the first process of the shrunk world calls it and broadcasts the answer, so
-every process executes the same decision. It answers with the rebuild modes to
-apply, in order, and a sentence saying why; an empty answer stops the job with
-that sentence.
+``Policy`` implements ``elastic.comm``'s rebuild-policy protocol: at every
+rebuild the first process of the shrunk world asks it with a frozen
+``RebuildContext`` and broadcasts the ``Decision``, so every process executes
+the same one: the rebuild modes to apply, in order, and a sentence saying why;
+an empty answer stops the job with that sentence.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Mapping
 
-from elastic.comm import ConfigError
-from elastic.comm._settings import MIN_SIZE_ENV, MODES, REBUILD_ENV
-
-MULTIPLE_OF_ENV = "ELASTIC_MULTIPLE_OF"
-COST_MODEL_ENV = "ELASTIC_COST_MODEL"
-SPAWN_SECONDS_ENV = "ELASTIC_SPAWN_SECONDS"
+from elastic.comm import Config, ConfigError, Decision, RebuildContext
+from elastic.comm._config import MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,20 +39,15 @@ class Policy:
     spawn_seconds: float = 1.3
 
     @classmethod
+    def from_config(cls, config: Config) -> "Policy":
+        """The policy a job's configuration asks for (the launcher's --rebuild, --min-size, ...)."""
+        return cls(modes=config.rebuild, min_size=config.min_size, multiple_of=config.multiple_of,
+                   cost_model=config.cost_model, spawn_seconds=config.spawn_seconds)
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Policy":
-        """The policy the launcher's options ask for: ``ELASTIC_REBUILD`` (modes, default spare,shrink),
-        ``ELASTIC_MIN_SIZE``, ``ELASTIC_MULTIPLE_OF``, ``ELASTIC_COST_MODEL`` (1 = on), ``ELASTIC_SPAWN_SECONDS``."""
-        env = os.environ if environ is None else environ
-        try:
-            return cls(modes=env.get(REBUILD_ENV, "spare,shrink"), min_size=int(env.get(MIN_SIZE_ENV, "1")),
-                       multiple_of=int(env.get(MULTIPLE_OF_ENV, "1")),
-                       cost_model=env.get(COST_MODEL_ENV, "0") not in ("", "0", "false", "no"),
-                       spawn_seconds=float(env.get(SPAWN_SECONDS_ENV, "1.3")))
-        except ValueError as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            raise ConfigError(f"rebuild policy from the environment: {exc}; {MIN_SIZE_ENV} and {MULTIPLE_OF_ENV} "
-                              f"take integers, {SPAWN_SECONDS_ENV} seconds") from exc
+        """``from_config(Config.from_env(environ))``."""
+        return cls.from_config(Config.from_env(environ))
 
     def __post_init__(self) -> None:
         modes = tuple(self.modes.split(",")) if isinstance(self.modes, str) else tuple(self.modes)
@@ -71,51 +61,41 @@ class Policy:
         if self.spawn_seconds < 0:
             raise ConfigError(f"spawn_seconds={self.spawn_seconds}: a cost cannot be negative")
 
-    def __call__(self, lost: int, spares: int, active: int, outlook: Mapping[str, float] | None = None,
-                 unavailable: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], str]:
-        """Decide how to fill ``lost`` logical ranks (local, deterministic).
-
-        Args:
-            lost: active logical ranks that died in this rebuild.
-            spares: parked spares still alive.
-            active: active ranks still alive (spares not counted).
-            outlook: ``step_seconds`` and ``remaining_steps`` of the training loop, if known.
-            unavailable: modes that failed in this rebuild (a spawn that cannot work here).
-
-        Returns:
-            (modes to apply in order, reason). No modes: the job cannot continue; the reason says why.
-        """
-        if unavailable:
-            allowed = tuple(m for m in self.modes if m not in unavailable)
+    def decide(self, context: RebuildContext) -> Decision:
+        """How to fill ``context.lost`` logical ranks (local, deterministic); see the class docstring."""
+        if context.unavailable:
+            allowed = tuple(m for m in self.modes if m not in context.unavailable)
+            failed = ", ".join(sorted(context.unavailable))
             if not allowed:
-                return (), (f"{', '.join(sorted(unavailable))} failed and no other mode is allowed; "
-                            "add spares (--spares) or allow 'shrink'")
-            modes, reason = dataclasses.replace(self, modes=allowed)(lost, spares, active, outlook)
-            return modes, f"{reason}; {', '.join(sorted(unavailable))} failed"
+                return Decision((), f"{failed} failed and no other mode is allowed; add spares (--spares) "
+                                    "or allow 'shrink'")
+            decision = dataclasses.replace(self, modes=allowed).decide(
+                dataclasses.replace(context, unavailable=frozenset()))
+            return Decision(decision.modes, f"{decision.reason}; {failed} failed")
+        lost, spares, active, outlook = context.lost, context.spares, context.active, context.outlook
         from_spares = min(lost, spares) if "spare" in self.modes else 0
         rest = lost - from_spares
         used = ("spare",) if from_spares else ()
         spare_note = f"{from_spares} of {lost} lost rank(s) from parked spares" if from_spares else \
             f"no parked spare for {lost} lost rank(s)" if "spare" in self.modes else "spares not among the modes"
         if rest == 0:
-            return used, spare_note
+            return Decision(used, spare_note)
         after = active + from_spares
         shrink_ok, shrink_why = self._shrink_allowed(after)
         options = [m for m in self.modes if m == "spawn" or (m == "shrink" and shrink_ok)]
         if not options:
             why = shrink_why if "shrink" in self.modes else "shrink not allowed"
-            return (), (f"{spare_note}; cannot fill the other {rest}: {why}, and spawn is not allowed; "
-                        "add spares (--spares), allow 'spawn', or lower min_size / multiple_of")
+            return Decision((), f"{spare_note}; cannot fill the other {rest}: {why}, and spawn is not allowed; "
+                                "add spares (--spares), allow 'spawn', or lower min_size / multiple_of")
         choice, why = options[0], "first allowed mode"
-        if self.cost_model and len(options) == 2 and outlook and outlook.get("step_seconds") \
-                and outlook.get("remaining_steps") is not None:
-            slower = outlook["step_seconds"] * outlook["remaining_steps"] * ((after + rest) / after - 1)
+        if self.cost_model and len(options) == 2 and outlook.step_seconds and outlook.remaining_steps is not None:
+            slower = outlook.step_seconds * outlook.remaining_steps * ((after + rest) / after - 1)
             choice = "spawn" if slower > self.spawn_seconds else "shrink"
-            why = (f"shrinking to {after} ranks would cost {slower:.2f} s over {outlook['remaining_steps']:.0f} "
+            why = (f"shrinking to {after} ranks would cost {slower:.2f} s over {outlook.remaining_steps:.0f} "
                    f"remaining steps, spawning {self.spawn_seconds:.2f} s")
         elif "shrink" in self.modes and not shrink_ok:
             why = shrink_why
-        return used + (choice,), f"{spare_note}; {choice} for {rest} ({why})"
+        return Decision(used + (choice,), f"{spare_note}; {choice} for {rest} ({why})")
 
     def _shrink_allowed(self, size: int) -> tuple[bool, str]:
         if size < self.min_size:

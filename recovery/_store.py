@@ -14,21 +14,16 @@ sits beside the current one, so at most ``2 x replication`` x state.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import xxhash
-from mpi4py import MPI
-
-from elastic.comm import ConfigError, ProcessFailure, World
-from elastic.comm._errors import agreed
+from elastic.comm import ConfigError, ProcessFailure, World, agreed
 
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 
-DOMAINS_ENV = "ELASTIC_DOMAINS"  # comma-separated failure domain per logical rank, for tests
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
 Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
 
@@ -120,7 +115,7 @@ class ReplicatedStore:
         meta = self._current.metas[int(self.world.logical_rank)]
         out = {name: array.copy() for name, array in self._fields_of(self._current.payload, meta, owner).items()}
         if not out:
-            raise KeyError(f"logical rank {owner}'s state is not held here")
+            raise ConfigError(f"logical rank {owner}'s state is not held here (held: {self.owners_here()})")
         return out
 
     def owners_here(self) -> list[int]:
@@ -129,7 +124,7 @@ class ReplicatedStore:
             return []
         return sorted({f.owner for f in self._current.metas[int(self.world.logical_rank)].fields})
 
-    def recover(self, adopt: Adopt | None = None) -> None:
+    def recover(self, adopt: Adopt | None = None) -> bool:
         """Bring the dead ranks' state back from peers' memory (collective over the new active ranks).
 
         Call right after ``World.recover()``; who needs what is derived from
@@ -142,6 +137,8 @@ class ReplicatedStore:
         by checksum and fetched from another replica. Ends by re-replicating the
         agreed version over the new world, so the next failure is survivable.
 
+        Returns False (on every rank) when no version was ever committed: nothing to recover.
+
         Raises:
             DataLost: every replica of some chunk died (same error on every rank).
             ProcessFailure: another failure during recovery; recover the world again, then this.
@@ -151,7 +148,7 @@ class ReplicatedStore:
         active = [int(r) for r in world.logical_ranks]
         held = world.allgather(self._current.number if self._current else None)
         if all(v is None for v in held):
-            raise ConfigError("no version was ever committed: nothing to recover")
+            return False  # nothing was ever committed: nothing to recover
         root = next(i for i, v in enumerate(held) if v is not None)
         number, ranks, metas, placement = world.bcast(
             (self._current.number, self._current.ranks, self._current.metas, self._current.placement)
@@ -182,6 +179,7 @@ class ReplicatedStore:
         self.last_recovery = {"fetch": t1 - t0, "rereplicate": time.perf_counter() - t1}
         world.events.emit("store_recovered", version=version.number, dead=sorted(dead),
                           bytes_moved=self.bytes_moved, durations=self.last_recovery)
+        return True
 
     # -------------------------------------------------------------- internals
     def _repair(self, version: _Version, dead: set[int], chunks: Mapping[Chunk, np.ndarray]) -> None:
@@ -241,18 +239,16 @@ class ReplicatedStore:
                 for f in meta.fields if f.owner == owner}
 
     def _domain_map(self, ranks: list[int]) -> dict[int, str]:
+        """Failure domain of each rank: given, configured (``ELASTIC_DOMAINS``), else its host (collective)."""
         if self._domains is not None:
             return {r: self._domains[r] for r in ranks}
-        text = os.environ.get(DOMAINS_ENV)
-        if text:
-            names = text.split(",")
+        names = self.world.config.domains
+        if names:
             return {r: names[r % len(names)] for r in ranks}
-        hosts = self.world.comm.allgather(socket.gethostname())
-        return dict(zip(ranks, hosts))
+        return dict(zip(ranks, self.world.allgather(socket.gethostname())))
 
     def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int) -> None:
         world = self.world
-        comm = world.comm
         me = int(world.logical_rank)
         ranks = [int(r) for r in world.logical_ranks]
         try:
@@ -262,46 +258,37 @@ class ReplicatedStore:
         except ConfigError as exc:  # told to every rank below, so that no rank waits for this one
             payload, meta, bad_input = np.empty(0, np.uint8), _Meta((), 0, ()), str(exc)
         error: Exception | None = None
-        refused: ConfigError | None = None
         try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
-            with world.guard():
-                metas_list = comm.allgather((version, meta, bad_input))
+            metas_list = world.allgather((version, meta, bad_input))  # the same list everywhere, or a failure
             problems = [f"logical rank {r}: {p}" for r, (_, _, p) in zip(ranks, metas_list) if p]
-            versions = {v for v, _, _ in metas_list}
-            # Every rank sees the same list, so every rank refuses alike (after the vote below).
             if problems:
-                refused = ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems))
-            elif len(versions) != 1:
-                refused = ConfigError(f"commit version differs across ranks: {sorted(versions)}; "
-                                      "every rank must commit the same version together")
-            else:
-                metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
-                with world.guard():
-                    domains = self._domain_map(ranks)
-                placement = place_replicas(ranks, domains, self.replication,
-                                           {r: len(metas[r].sums) for r in ranks})
-                if len(ranks) < self.replication and not self._said_reduced:
-                    self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
-                    world.events.emit("replication_reduced", replication=self.replication, ranks=len(ranks))
-                outgoing: dict[int, list[np.ndarray]] = {}
-                for c in range(len(meta.sums)):
-                    for holder in placement[(me, c)][1:]:
-                        outgoing.setdefault(holder, []).append(self._chunk(payload, c))
-                kept = {src: [c for c in range(len(metas[src].sums)) if me in placement[(src, c)][1:]]
-                        for src in ranks if src != me}
-                incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs]
-                            for src, cs in kept.items() if cs}
-                t1 = time.perf_counter()
-                received, into = self._exchange(outgoing, incoming, version, point="commit", pooled=True)
-                t2 = time.perf_counter()
-                held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
-                staged = _Version(version, tuple(ranks), metas, placement, payload, held, into)
+                raise agreed(ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems)), final=False)
+            versions = {v for v, _, _ in metas_list}
+            if len(versions) != 1:
+                raise agreed(ConfigError(f"commit version differs across ranks: {sorted(versions)}; every rank "
+                                         "must commit the same version together"), final=False)
+            metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
+            domains = self._domain_map(ranks)
+            placement = place_replicas(ranks, domains, self.replication, {r: len(metas[r].sums) for r in ranks})
+            if len(ranks) < self.replication and not self._said_reduced:
+                self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
+                world.events.emit("replication_reduced", replication=self.replication, ranks=len(ranks))
+            outgoing: dict[int, list[np.ndarray]] = {}
+            for c in range(len(meta.sums)):
+                for holder in placement[(me, c)][1:]:
+                    outgoing.setdefault(holder, []).append(self._chunk(payload, c))
+            kept = {src: [c for c in range(len(metas[src].sums)) if me in placement[(src, c)][1:]]
+                    for src in ranks if src != me}
+            incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs] for src, cs in kept.items() if cs}
+            t1 = time.perf_counter()
+            received, into = self._exchange(outgoing, incoming, version, point="commit", pooled=True)
+            t2 = time.perf_counter()
+            held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
+            staged = _Version(version, tuple(ranks), metas, placement, payload, held, into)
         except ProcessFailure as exc:
             error = exc
         # Phase two: the staged copies become current only if every rank got this far.
         self._vote(error is None)
-        if refused is not None:
-            raise agreed(refused, final=False)
         t3 = time.perf_counter()
         self._install(staged)
         world.note_commit()
@@ -365,45 +352,13 @@ class ReplicatedStore:
         self.world.vote(ok, "a rank could not finish its part of the transfer")
 
     def _exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[int]],
-                  step: int, point: str, pooled: bool = False) -> tuple[dict[int, list[np.ndarray]], np.ndarray]:
-        """Send chunks to peers and receive chunks of known sizes, keyed by logical rank.
-
-        Collective over the active ranks (one Alltoallw): a failure surfaces on
-        every rank instead of leaving a rank waiting on a peer's message. Chunks
-        leave straight from where they lie (an indexed datatype of their
-        addresses per peer, no packing copy) and arrive in one buffer, a pooled
-        one when ``pooled``. Returns the chunks by sender, and that buffer.
-        """
-        world = self.world
-        comm = world.comm
-        ranks = [int(r) for r in world.logical_ranks]
-        send_counts = [sum(c.nbytes for c in outgoing.get(r, [])) for r in ranks]
-        expected = [sum(incoming.get(r, [])) for r in ranks]
-        with world.guard():
-            recv_counts = comm.alltoall(send_counts)
-            if recv_counts != expected:  # a planning bug, never silently mis-sliced data
-                raise RuntimeError(f"store transfer plan differs across ranks: expected {expected} bytes "
-                                   f"from ranks {ranks}, peers announced {recv_counts}")
-            total = sum(recv_counts)
-            recvbuf = self._buffer(total) if pooled else np.empty(total, np.uint8)
-            types = [_gather_type(outgoing.get(r, [])) for r in ranks]
-            try:
-                world.fault_point(step if point == "commit" else None, point)
-                comm.Alltoallw([MPI.BOTTOM, ([int(t != MPI.BYTE) for t in types], [0] * len(ranks)), types],
-                               [recvbuf, (recv_counts, list(np.cumsum([0] + recv_counts[:-1]))),
-                                [MPI.BYTE] * len(ranks)])
-            finally:
-                for t in types:
-                    if t != MPI.BYTE:
-                        t.Free()
-        self.bytes_moved = sum(send_counts)
-        received: dict[int, list[np.ndarray]] = {}
-        offset = 0
-        for r in ranks:
-            for size in incoming.get(r, []):
-                received.setdefault(r, []).append(recvbuf[offset:offset + size])
-                offset += size
-        return received, recvbuf
+                  step: int | None, point: str, pooled: bool = False) -> tuple[dict[int, list[np.ndarray]], np.ndarray]:
+        """Chunks to and from peers by logical rank (collective, ``World.exchange``); they arrive in a
+        pooled buffer when ``pooled``. Records the bytes this rank sent."""
+        buffer = self._buffer if pooled else (lambda n: np.empty(n, np.uint8))
+        received, into, self.bytes_moved = self.world.exchange(outgoing, incoming, buffer, point,
+                                                                step if point == "commit" else None)
+        return received, into
 
     def _pack(self, contents: Mapping[int, Mapping[str, Any]]) -> tuple[np.ndarray, _Meta]:
         """Copy the state into one payload (a reused buffer where one fits) and checksum its chunks."""
@@ -450,14 +405,6 @@ class ReplicatedStore:
                 self._current.held[(o, c)][0] ^= 0xFF
                 hit += 1
         return hit
-
-
-def _gather_type(chunks: list[np.ndarray]) -> MPI.Datatype:
-    """A datatype that sends ``chunks`` in order from their own addresses (MPI.BYTE when none)."""
-    chunks = [c for c in chunks if c.nbytes]
-    if not chunks:
-        return MPI.BYTE
-    return MPI.BYTE.Create_hindexed([c.nbytes for c in chunks], [MPI.Get_address(c) for c in chunks]).Commit()
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:

@@ -9,31 +9,38 @@ from hypothesis import strategies as st
 
 import elastic
 from elastic._state import _fill_tensors, _strip_tensors, from_array, to_array
+from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
 from elastic.report import ettr, timeline
 
 
 # ------------------------------------------------------------------ policy
+def ask(policy: Policy, lost: int, spares: int, active: int, outlook: dict | None = None):
+    """(modes, reason) of the policy's decision."""
+    decision = policy.decide(RebuildContext(lost, spares, active, Outlook(**(outlook or {}))))
+    return decision.modes, decision.reason
+
+
 def test_spares_first_then_the_next_allowed_mode():
     policy = Policy(modes=("spare", "spawn", "shrink"))
-    assert policy(1, spares=1, active=3)[0] == ("spare",)
-    assert policy(2, spares=1, active=2)[0] == ("spare", "spawn")
-    assert Policy(modes=("spare", "shrink"))(2, spares=1, active=2)[0] == ("spare", "shrink")
+    assert ask(policy, 1, spares=1, active=3)[0] == ("spare",)
+    assert ask(policy, 2, spares=1, active=2)[0] == ("spare", "spawn")
+    assert ask(Policy(modes=("spare", "shrink")), 2, spares=1, active=2)[0] == ("spare", "shrink")
 
 
 def test_shrink_respects_min_size_and_divisibility():
-    modes, reason = Policy(modes=("shrink",), min_size=3)(2, spares=0, active=2)
+    modes, reason = ask(Policy(modes=("shrink",), min_size=3), 2, spares=0, active=2)
     assert modes == () and "below min_size=3" in reason and "add spares" in reason
-    modes, reason = Policy(modes=("shrink", "spawn"), multiple_of=2)(1, spares=0, active=3)
+    modes, reason = ask(Policy(modes=("shrink", "spawn"), multiple_of=2), 1, spares=0, active=3)
     assert modes == ("spawn",) and "not a multiple of 2" in reason
 
 
 def test_cost_model_compares_spawn_time_with_slower_steps():
     policy = Policy(modes=("shrink", "spawn"), cost_model=True, spawn_seconds=1.3)
     # 3 -> 2 ranks: each step 1.5x slower; 100 steps of 0.1 s lose 5 s, more than a 1.3 s spawn.
-    assert policy(1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 100})[0] == ("spawn",)
-    assert policy(1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 10})[0] == ("shrink",)
-    assert policy(1, 0, 2, {})[0] == ("shrink",)  # no outlook yet: the order decides
+    assert ask(policy, 1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 100})[0] == ("spawn",)
+    assert ask(policy, 1, 0, 2, {"step_seconds": 0.1, "remaining_steps": 10})[0] == ("shrink",)
+    assert ask(policy, 1, 0, 2, {})[0] == ("shrink",)  # no outlook yet: the order decides
 
 
 def test_policy_rejects_bad_settings_with_what_to_do():
@@ -51,7 +58,7 @@ def test_policy_rejects_bad_settings_with_what_to_do():
        multiple_of=st.integers(1, 3))
 def test_policy_never_breaks_its_constraints(lost, spares, active, min_size, multiple_of):
     policy = Policy(modes=("spare", "shrink"), min_size=min_size, multiple_of=multiple_of)
-    modes, reason = policy(lost, spares, active)
+    modes, reason = ask(policy, lost, spares, active)
     used = min(lost, spares)
     if "shrink" in modes:
         assert active + used >= min_size and (active + used) % multiple_of == 0

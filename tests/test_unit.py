@@ -9,10 +9,9 @@ from mpi4py import MPI
 
 from elastic import launch
 from elastic.comm import (
-    ConfigError, CurrentRank, Injection, LogicalRank, ProcessFailure, Unrecoverable, parse_schedule,
+    Config, ConfigError, CurrentRank, Injection, LogicalRank, ProcessFailure, Unrecoverable, parse_schedule,
 )
 from elastic.comm._errors import translate
-from elastic.comm._world import _env_modes
 
 
 def test_compact_schedule():
@@ -40,12 +39,12 @@ def test_bad_schedule_says_how_to_write_one(bad):
 
 
 def test_rebuild_modes_are_validated():
-    assert _env_modes("spare, shrink") == ("spare", "shrink")
-    assert _env_modes(["spawn"]) == ("spawn",)
+    assert Config.from_env({"ELASTIC_REBUILD": "spare, shrink"}).rebuild == ("spare", "shrink")
+    assert Config(rebuild=("spawn",)).rebuild == ("spawn",)
     with pytest.raises(ConfigError, match="drawn from"):
-        _env_modes("spare,restart")
+        Config.from_env({"ELASTIC_REBUILD": "spare,restart"})
     with pytest.raises(ConfigError):
-        _env_modes("")
+        Config.from_env({"ELASTIC_REBUILD": ""})
 
 
 def test_rank_kinds_are_distinct_types():

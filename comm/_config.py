@@ -1,0 +1,145 @@
+"""One configuration: every ``ELASTIC_*`` setting, read and checked in one place.
+
+The launcher builds a ``Config`` from its options and hands it to every
+process as environment variables (``Config.to_env``); each process reads it
+back once (``Config.from_env``). Nothing else reads ``ELASTIC_*`` variables.
+A wrong value is refused here, naming the variable and what to give.
+Imports no MPI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Mapping
+
+from ._errors import ConfigError
+from ._faults import INJECT_ENV, Injection, parse_schedule
+
+MODES = ("spare", "spawn", "shrink")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("give 1 or 0")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple) and value and isinstance(value[0], Injection):
+        return json.dumps([i.to_dict() for i in value])
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every setting of a job; see ``ENV`` for the variable behind each field.
+
+    Args:
+        spares: processes of the job that park as hot spares (the last ones).
+        rebuild: rebuild modes allowed, in order of preference: spare, spawn, shrink.
+        min_size: fewest active ranks the job may shrink to.
+        multiple_of: after a shrink the active size must be a multiple of this.
+        cost_model: choose between spawn and shrink by cost (``elastic.recovery.Policy``).
+        spawn_seconds: what a spawn costs, for the cost model.
+        max_failures: failures in a row without a successful commit before the job stops.
+        run_dir: where events, outcome and fate files go (None: nowhere).
+        inject: the fault schedule (``elastic.comm`` fault injection).
+        domains: failure domain of each logical rank (round robin), instead of the hosts.
+        hang_timeout: seconds without a heartbeat before the sentinel kills a rank (0: never).
+        progress_timeout: seconds without progress before the sentinel kills a rank (0: never).
+        term_grace: seconds a rank gets to leave after SIGTERM before its sentinel kills it.
+        require_ulfm: refuse to start without ULFM (0: skip the check; the job then cannot
+            survive a failure).
+    """
+
+    spares: int = 0
+    rebuild: tuple[str, ...] = ("spare", "shrink")
+    min_size: int = 1
+    multiple_of: int = 1
+    cost_model: bool = False
+    spawn_seconds: float = 1.3
+    max_failures: int = 3
+    run_dir: str | None = None
+    inject: tuple[Injection, ...] = ()
+    domains: tuple[str, ...] = ()
+    hang_timeout: float = 10.0
+    progress_timeout: float = 0.0
+    term_grace: float = 5.0
+    require_ulfm: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.rebuild if m not in MODES]
+        if not self.rebuild or bad or len(set(self.rebuild)) != len(self.rebuild):
+            self._refuse("rebuild", f"give an ordered list drawn from {', '.join(MODES)} without repeats, "
+                                    "e.g. 'spare,shrink' or 'spawn'")
+        for name in ("spares", "min_size", "multiple_of", "max_failures", "spawn_seconds", "hang_timeout",
+                     "progress_timeout", "term_grace"):
+            low = 1 if name in ("min_size", "multiple_of") else 0
+            if getattr(self, name) < low:
+                self._refuse(name, _WHAT[name])
+
+    def _refuse(self, name: str, what: str) -> None:
+        raise ConfigError(f"{ENV[name]}={_text(getattr(self, name))!r} ({name}): {what}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """The configuration the environment gives, then ``overrides`` (None values ignored)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, variable in ENV.items():
+            text = env.get(variable)
+            if text is None:
+                continue
+            try:
+                values[name] = _PARSE[name](text)
+            except ConfigError:
+                raise
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{variable}={text!r} ({name}): {_WHAT.get(name, exc)}") from exc
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("rebuild"), str):
+            values["rebuild"] = _modes(values["rebuild"])
+        if isinstance(values.get("inject"), str):
+            values["inject"] = parse_schedule(values["inject"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """Every variable, so that ``from_env`` gives this configuration back whatever else is set."""
+        return {ENV[f.name]: _text(getattr(self, f.name)) if getattr(self, f.name) is not None else ""
+                for f in dataclasses.fields(self)}
+
+
+ENV = {
+    "spares": "ELASTIC_SPARES", "rebuild": "ELASTIC_REBUILD", "min_size": "ELASTIC_MIN_SIZE",
+    "multiple_of": "ELASTIC_MULTIPLE_OF", "cost_model": "ELASTIC_COST_MODEL",
+    "spawn_seconds": "ELASTIC_SPAWN_SECONDS", "max_failures": "ELASTIC_MAX_FAILURES",
+    "run_dir": "ELASTIC_RUN_DIR", "inject": INJECT_ENV, "domains": "ELASTIC_DOMAINS",
+    "hang_timeout": "ELASTIC_HANG_TIMEOUT", "progress_timeout": "ELASTIC_PROGRESS_TIMEOUT",
+    "term_grace": "ELASTIC_TERM_GRACE", "require_ulfm": "ELASTIC_REQUIRE_ULFM",
+}
+_PARSE: dict[str, Callable[[str], Any]] = {
+    "spares": int, "rebuild": _modes, "min_size": int, "multiple_of": int, "cost_model": _flag,
+    "spawn_seconds": float, "max_failures": int, "run_dir": lambda t: t or None, "inject": parse_schedule,
+    "domains": lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), "hang_timeout": float,
+    "progress_timeout": float, "term_grace": float, "require_ulfm": _flag,
+}
+_WHAT = {
+    "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",
+    "max_failures": "takes integers >= 0", "cost_model": "give 1 or 0", "require_ulfm": "give 1 or 0",
+    "spawn_seconds": "takes seconds >= 0", "hang_timeout": "takes seconds >= 0 (0 turns it off)",
+    "progress_timeout": "takes seconds >= 0 (0 turns it off)", "term_grace": "takes seconds >= 0",
+}

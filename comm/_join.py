@@ -1,0 +1,98 @@
+"""How a process joins the world: launched with the job (``init``), or spawned as a replacement."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from mpi4py import MPI
+
+from . import _spares
+from ._config import Config
+from ._errors import ConfigError, mpi_errors
+from ._events import EventLog
+from ._membership import SPARE, Members
+from ._policy import FixedOrder, RebuildPolicy
+from ._ranks import Role
+from ._rebuild import JOIN_SECONDS, split_actives
+from ._ulfm import check_ulfm
+from ._world import WATCHDOG, World
+
+
+def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
+    """Join the resilient world (collective over every process of the job, blocking).
+
+    Args:
+        config: the job's settings (default ``Config.from_env()``: what the launcher set);
+            keyword ``settings`` override single fields (``spares=1``, ``run_dir=...``).
+        policy: decides each rebuild (default: the configured modes in order, ``FixedOrder``);
+            must pickle, spawned processes get it too.
+
+    Returns the World on an active rank. A spare returns only once promoted
+    (role RECOVERED), or exits when the job finishes without needing it. A
+    spawned replacement returns as RECOVERED.
+
+    Raises:
+        UlfmUnavailable: MPI cannot survive failures (says what to run instead).
+        ConfigError: a setting is wrong.
+    """
+    config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    check_ulfm(config.require_ulfm)
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:
+        return _join_as_spawned(parent)
+    universe = MPI.COMM_WORLD.Dup()
+    universe.Set_errhandler(MPI.ERRORS_RETURN)
+    n = universe.Get_size()
+    if config.spares >= n:
+        raise ConfigError(f"spares={config.spares} with {n} processes: keep at least one active rank "
+                          f"(0 <= spares < {n})")
+    table = [r if r < n - config.spares else SPARE for r in range(n)]
+    members = Members(universe, table, [None] * n)
+    role = Role.SPARE if members.mine() == SPARE else Role.INITIAL
+    world = World(members, config, policy or FixedOrder(config.rebuild, config.min_size), n - config.spares, 0, role)
+    world.lifecycle.install()
+    with mpi_errors(universe):
+        world.comm = split_actives(members)
+        members.procs = universe.allgather((socket.gethostname(), os.getpid()))
+    world.events.emit("started", size=n - config.spares, spares=config.spares, modes=config.rebuild,
+                      sentinel=world.watchdog.active)
+    if role is Role.SPARE:
+        _spares.park(world)
+    else:
+        world.watchdog.watch_progress(True)
+    return world
+
+
+def _join_as_spawned(parent: MPI.Intercomm) -> World:
+    """A spawned replacement: merge with the survivors and finish their rebuild with them.
+
+    When the parents give up on it (a failure during the spawn), the merge
+    fails or never comes: the process then dies, by its own hand or by the
+    sentinel's join deadline, without ever having been a member.
+    """
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    WATCHDOG.deadline(JOIN_SECONDS)
+    try:
+        merged = parent.Merge(high=True)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        payload = merged.bcast(None, root=0)
+    except MPI.Exception as exc:
+        sys.stderr.write(f"[elastic] a spawned process was abandoned by its parents ({exc}); leaving\n")
+        sys.stderr.flush()
+        EventLog(Config.from_env().run_dir, dict).write_outcome("spawn-abandoned", message=str(exc))
+        os.kill(os.getpid(), signal.SIGKILL)
+    WATCHDOG.deadline(None)
+    table, procs = payload["members"]
+    state = payload["world"]
+    world = World(Members(merged, table, procs), state["config"], state["policy"], state["initial_size"],
+                  state["generation"], Role.RECOVERED)
+    world.history, world.streak, world.step = state["history"], state["streak"], state["step"]
+    world.failures_seen = True
+    world.lifecycle.install()
+    world.events.emit("spawned", sentinel=world.watchdog.active)
+    world.rebuild(join=True)
+    world.watchdog.watch_progress(True)
+    return world

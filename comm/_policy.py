@@ -1,0 +1,82 @@
+"""How the lost ranks of one rebuild are filled: the policy protocol and its default, the fixed order.
+
+At every rebuild the first process of the shrunk universe asks the job's
+policy and broadcasts its ``Decision``, so every process executes the same
+one. A policy sees a frozen ``RebuildContext`` and nothing else: what was lost,
+what is left, and the training loop's ``Outlook`` as the loop passed it to
+``World.recover``. An empty decision stops the job with its reason.
+``elastic.recovery.Policy`` (spares first, then spawn or shrink by cost) is
+the other implementation. Pure: no MPI.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from ._config import MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """What the training loop expects ahead: seconds per step and steps left (None: unknown)."""
+
+    step_seconds: float | None = None
+    remaining_steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildContext:
+    """What a policy decides from (identical on every process)."""
+
+    lost: int                                   # active logical ranks to fill
+    spares: int                                 # parked spares still alive
+    active: int                                 # active ranks still alive
+    outlook: Outlook = Outlook()
+    unavailable: frozenset[str] = frozenset()   # modes that failed in this rebuild (a spawn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The modes to apply in order, and why; no modes: the job stops with ``reason``."""
+
+    modes: tuple[str, ...]
+    reason: str
+
+
+class RebuildPolicy(Protocol):
+    """Anything with ``decide``; it must pickle (spawned processes receive it)."""
+
+    def decide(self, context: RebuildContext) -> Decision: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedOrder:
+    """The configured modes in their order: each fills what it can; a shrink may not go below ``min_size``."""
+
+    modes: tuple[str, ...] = ("spare", "shrink")
+    min_size: int = 1
+
+    def decide(self, context: RebuildContext) -> Decision:
+        rest, used, notes = context.lost, [], []
+        for mode in (m for m in self.modes if m in MODES and m not in context.unavailable):
+            if not rest:
+                break
+            if mode == "spare" and context.spares:
+                rest -= min(rest, context.spares)
+            elif mode == "spawn":
+                rest = 0
+            elif mode == "shrink":
+                left = context.active + context.lost - rest
+                if left < self.min_size:
+                    notes.append(f"shrinking would leave {left} active ranks, below min_size={self.min_size}")
+                    continue
+                rest = 0
+            else:
+                continue
+            used.append(mode)
+        failed = f" ({', '.join(sorted(context.unavailable))} failed)" if context.unavailable else ""
+        if rest:
+            why = "; ".join(notes) or f"no mode of {self.modes} can fill them"
+            return Decision((), f"{rest} of {context.lost} lost rank(s) cannot be filled: {why}{failed}; "
+                                "add spares (--spares), allow 'spawn', or lower min_size")
+        return Decision(tuple(used), f"configured order {','.join(self.modes)}{failed}")

@@ -1,0 +1,352 @@
+"""The rebuild: from a failure seen to a new world, identical on every live process.
+
+One round, run by every live process of the universe (parked spares and
+spawned processes too): agree on the dead, fence them, shrink, fill the gaps
+(spare / spawn / shrink, as the policy decides), install the new
+communicators, then a vote. The vote (ULFM Agree) succeeds everywhere or fails
+everywhere, so every process either leaves or starts another round on the
+newest communicator; a failure during the rebuild costs one more round.
+Decisions that stop the job are raised only after a vote as well.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from mpi4py import MPI
+
+from ._errors import ProcessFailure, Unrecoverable, agreed, translate
+from ._events import read_cause
+from ._membership import SPARE, Members, Proc
+from ._policy import Decision, Outlook, RebuildContext
+from ._ranks import LogicalRank, Role
+from ._ulfm import agree_on_failed
+
+if TYPE_CHECKING:
+    from ._world import World
+
+JOIN_SECONDS = 30.0  # a spawned process that has not joined its parents by then is given up
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """What a completed rebuild did; identical on every process of the new world."""
+
+    generation: int
+    mode: str                              # "spare", "spawn", "shrink" or a mix such as "spare+shrink"
+    failed: frozenset[LogicalRank]         # active logical ranks whose process died
+    replaced: frozenset[LogicalRank]       # those now held by a promoted spare or a spawned process
+    removed: frozenset[LogicalRank]        # those dropped (shrink): their work must be re-sharded
+    lost_spares: int                       # parked spares that died
+    attempts: int                          # > 1 when a failure hit the rebuild itself
+    durations: dict[str, float]            # seconds per phase: agree, shrink, substitute, install, total
+    causes: tuple[dict[str, Any], ...] = ()  # how the dead processes ended, where they said so
+    streak: int = 1                        # rebuilds since the last successful commit
+
+
+@dataclasses.dataclass
+class Summary:
+    """What the rounds of one rebuild have done so far; universe rank 0's copy is what all adopt."""
+
+    failed: set[int] = dataclasses.field(default_factory=set)
+    pending: set[int] = dataclasses.field(default_factory=set)  # lost, not yet replaced or removed
+    replaced: set[int] = dataclasses.field(default_factory=set)
+    removed: set[int] = dataclasses.field(default_factory=set)
+    lost_spares: int = 0
+    modes: list[str] = dataclasses.field(default_factory=list)
+    attempts: int = 0
+    causes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    streak: int = 1
+
+    def placed(self, mode: str, logical: list[int], replaced: bool) -> None:
+        """``logical`` got a new process (``replaced``) or was dropped (a shrink) by ``mode``."""
+        if not logical:
+            return
+        self.pending -= set(logical)
+        (self.replaced if replaced else self.removed).update(logical)
+        if mode not in self.modes:
+            self.modes.append(mode)
+
+
+class Rebuilder:
+    """Runs one rebuild for ``world`` (every method collective over the round's universe)."""
+
+    def __init__(self, world: "World", outlook: Outlook) -> None:
+        self.world = world
+        self.outlook = outlook
+        self.durations: dict[str, float] = {}
+
+    def _timed(self, phase: str, since: float) -> None:
+        self.durations[phase] = self.durations.get(phase, 0.0) + time.perf_counter() - since
+
+    def run(self, members: Members, join: bool) -> Rebuild:
+        """Rounds until one succeeds everywhere; a spawned process ``join``s at the install."""
+        world = self.world
+        started = time.perf_counter()
+        world.failures_seen = True
+        done = Summary(streak=world.streak + 1)
+        if not join:
+            world.fire(members, "agree")
+        while True:
+            done.attempts += 1
+            try:
+                if not join:
+                    self._round(members, done)
+                join = False
+                t = time.perf_counter()
+                summary = self._install(members, done)
+                if not members.comm.Agree(int(summary is not None)):
+                    raise ProcessFailure("a process could not install the rebuilt communicator")
+                self._timed("install", t)
+                break
+            except (ProcessFailure, MPI.Exception) as exc:
+                if isinstance(exc, MPI.Exception):
+                    error = translate(exc, members.comm)
+                    if not isinstance(error, ProcessFailure):
+                        raise error from exc
+                world.events.emit("rebuild_retry", attempt=done.attempts, error=str(exc))
+                try:
+                    members.comm.Revoke()
+                except MPI.Exception:
+                    pass
+        self.durations["total"] = time.perf_counter() - started
+        assert summary is not None
+        return self._adopt(summary)
+
+    def _adopt(self, summary: Summary) -> Rebuild:
+        """Every process, a spawned one too, takes universe rank 0's summary (an old member's)."""
+        world = self.world
+        world.generation += 1
+        world.streak = summary.streak
+        mine = world.members.mine()
+        world.role = Role.SPARE if mine == SPARE else Role.RECOVERED if mine in summary.replaced else Role.SURVIVOR
+        result = Rebuild(world.generation, "+".join(summary.modes) or "none",
+                         frozenset(map(LogicalRank, summary.failed)), frozenset(map(LogicalRank, summary.replaced)),
+                         frozenset(map(LogicalRank, summary.removed)), summary.lost_spares, summary.attempts,
+                         self.durations, tuple(summary.causes), summary.streak)
+        world.last_rebuild = result
+        world.events.emit("rebuilt", mode=result.mode, failed=result.failed, replaced=result.replaced,
+                          removed=result.removed, lost_spares=result.lost_spares, attempts=result.attempts,
+                          size=world.members.actives(), durations=self.durations, causes=list(result.causes),
+                          streak=result.streak)
+        if mine != SPARE:
+            world.progress()
+        self._stop_a_repeated_error(result)
+        return result
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, members: Members, done: Summary) -> None:
+        """Agree on the dead, fence them, shrink and fill the gaps."""
+        world = self.world
+        t = time.perf_counter()
+        dead = agree_on_failed(members.comm)
+        self._timed("agree", t)
+        world.events.emit("agreed", failed=[members.table[u] for u in sorted(dead) if members.table[u] != SPARE],
+                          failed_universe=sorted(dead), attempt=done.attempts)
+        _fence(world, dead, members.procs)
+        done.causes.extend(self._causes(dead, members))
+        world.fire(members, "rebuild")
+        t = time.perf_counter()
+        shrunk = members.comm.Shrink()
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        alive = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
+                                          members.comm.Get_group())
+        gone = sorted(set(range(members.comm.Get_size())) - set(alive))
+        lost = {members.table[u] for u in gone if members.table[u] != SPARE}
+        done.lost_spares += sum(1 for u in gone if members.table[u] == SPARE)
+        done.failed |= lost
+        done.replaced -= lost  # a replacement that died in this rebuild must be replaced again
+        done.pending |= lost
+        members.keep(alive, shrunk)
+        self._timed("shrink", t)
+        t = time.perf_counter()
+        self._fill(members, done)
+        self._timed("substitute", t)
+
+    def _fill(self, members: Members, done: Summary) -> None:
+        """Give the lost logical ranks (``done.pending``) new processes, as the policy decides.
+
+        When spawning turns out not to work, the policy is asked again without
+        it. ``done`` and ``members`` are updated as each rank is placed, so a
+        failure half-way leaves them consistent for the next round.
+        """
+        unavailable: set[str] = set()
+        while done.pending:
+            decision = self._decide(members, len(done.pending), frozenset(unavailable))
+            for mode in decision.modes:
+                todo = sorted(done.pending)
+                if not todo:
+                    break
+                if mode == "spare":
+                    placed = []
+                    for u, logical in zip([u for u, e in enumerate(members.table) if e == SPARE], todo):
+                        members.table[u] = logical
+                        placed.append(logical)
+                    done.placed(mode, placed, replaced=True)
+                elif mode == "spawn":
+                    if not self._spawn(members, todo):
+                        unavailable.add("spawn")
+                        break  # ask again: the policy chooses what stands in for the spawn
+                    done.placed(mode, todo, replaced=True)
+                elif mode == "shrink":
+                    done.placed(mode, todo, replaced=False)
+            else:
+                if done.pending:
+                    self._stop(members, f"logical ranks {sorted(done.pending)} were lost and the decided modes "
+                                        f"{decision.modes} could not fill them ({decision.reason})")
+        if not members.actives():
+            self._stop(members, "every active rank died; nothing is left to continue from")
+
+    def _decide(self, members: Members, lost: int, unavailable: frozenset[str]) -> Decision:
+        """The policy's decision on universe rank 0, broadcast so every process executes the same one."""
+        answer = None
+        if members.comm.Get_rank() == 0:
+            context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable)
+            answer = self.world.policy.decide(context)
+        decision: Decision = members.comm.bcast(answer, root=0)
+        self.world.events.emit("decision", modes=decision.modes, reason=decision.reason, lost=lost)
+        modes = tuple(m for m in decision.modes if m not in unavailable)
+        if not modes:
+            self._stop(members, f"cannot rebuild: {decision.reason}")
+        return Decision(modes, decision.reason)
+
+    def _stop(self, members: Members, message: str) -> None:
+        """End the job with ``message`` on every process of the round. Never returns.
+
+        A vote first: if a process failed on the way here, every process goes
+        round again instead, so that no process stops while another rebuilds.
+        """
+        if not members.comm.Agree(1):
+            raise ProcessFailure("a process could not reach the decision")
+        self.world.members = members  # leaving together needs the communicator everyone shares now
+        raise agreed(Unrecoverable(message))
+
+    # ------------------------------------------------------------------ spawn
+    def _spawn(self, members: Members, logical: list[int]) -> bool:
+        """Start one new process per lost logical rank and merge it in.
+
+        Returns False, on every process alike, when spawning does not work here;
+        a failure of a process during the spawn is a ``ProcessFailure`` (one more
+        round). Once merged, the new processes are part of ``members``.
+        """
+        world = self.world
+        command, args = sys.executable, list(getattr(sys, "orig_argv", sys.argv)[1:])
+        if world.watchdog.active:  # the replacement runs under a sentinel too
+            command, args = sys.executable, ["-m", "elastic.comm._sentinel", "--", sys.executable] + args
+        inter, error = None, None
+        try:
+            inter = members.comm.Spawn(command, args, maxprocs=len(logical), root=0)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+        except MPI.Exception as exc:
+            error = exc
+        world.fire(members, "spawn")
+        # A vote before the merge: Open MPI's Merge spins for ever when a parent is dead.
+        try:
+            everyone = members.comm.Agree(int(inter is not None))
+        except MPI.Exception:
+            _abandon(inter)
+            raise
+        if not everyone:
+            _abandon(inter)
+            world.events.emit("spawn_failed", lost=logical, error=str(error) if error else "on another process")
+            return False
+        assert inter is not None
+        merged = inter.Merge(high=False)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        # From here on the new processes are members: a failure now is one more round on `merged`.
+        members.comm = merged
+        members.table = members.table + list(logical)  # children come after the parents (high=True there)
+        members.procs = members.procs + [None] * len(logical)
+        merged.bcast({"members": (members.table, members.procs), "world": world.handover()}, root=0)
+        return True
+
+    # ------------------------------------------------------------------ install
+    def _install(self, members: Members, done: Summary) -> Summary | None:
+        """Build the active communicator, learn every pid, share rank 0's summary.
+
+        Returns the shared summary, or None when this process could not
+        finish; the caller's vote makes that uniform.
+        """
+        world = self.world
+        world.members = members
+        try:
+            world.comm = split_actives(members)
+            members.procs = members.comm.allgather((socket.gethostname(), os.getpid()))
+            return members.comm.bcast(done, root=0)
+        except MPI.Exception as exc:
+            world.events.emit("install_failed", error=str(exc))
+            return None
+
+    # ------------------------------------------------------------------ the dead
+    def _causes(self, dead: Iterable[int], members: Members) -> list[dict[str, Any]]:
+        """How the dead processes ended, from their outcome and fate files (universe rank 0 only:
+        its list goes to everyone in the summary)."""
+        run_dir = self.world.events.run_dir
+        if members.comm.Get_rank() != 0 or run_dir is None:
+            return []
+        causes = []
+        for u in sorted(dead):
+            proc = members.procs[u] if u < len(members.procs) else None
+            cause = read_cause(run_dir, *proc) if proc is not None else None
+            if cause is not None:
+                causes.append({"logical": None if members.table[u] == SPARE else members.table[u], **cause})
+        return causes
+
+    def _stop_a_repeated_error(self, rebuild: Rebuild) -> None:
+        """The same software error at the same step twice: recovering again would only repeat it.
+
+        Every process decides alike: the causes came with the agreed summary,
+        and the history is shared with spares (they take part in every rebuild)
+        and spawned processes (it comes with their start).
+        """
+        history = self.world.history
+        for cause in rebuild.causes:
+            if not cause.get("software") or cause.get("injected") or cause.get("step") is None:
+                continue
+            key = (cause["what"], cause["step"])
+            if key in history:
+                raise agreed(Unrecoverable(
+                    f"logical rank {cause.get('logical')} failed with the same error at step {cause['step']} as "
+                    f"before the last recovery ({cause['what']}); recovering again would repeat it: fix the "
+                    "error and start the job again"))
+            history.add(key)
+
+
+def split_actives(members: Members) -> MPI.Intracomm:
+    """The active ranks' communicator, ordered by logical rank (collective over ``members.comm``)."""
+    mine = members.mine()
+    comm = members.comm.Split(MPI.UNDEFINED if mine == SPARE else 0, max(mine, 0))
+    if comm != MPI.COMM_NULL:
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm
+
+
+def _fence(world: "World", dead: Iterable[int], procs: list[Proc | None]) -> None:
+    """Kill dead-declared processes on this host: a hung rank would keep mpiexec alive (local).
+
+    ``procs`` belongs to the communicator the agreement ran on, so only a
+    process every survivor agreed is dead can be hit.
+    """
+    host = socket.gethostname()
+    for u in dead:
+        proc = procs[u] if u < len(procs) else None
+        if proc is not None and proc[0] == host and proc[1] != os.getpid():
+            try:
+                os.kill(proc[1], signal.SIGKILL)
+                world.events.emit("fenced", pid=proc[1])
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _abandon(inter: MPI.Intercomm | None) -> None:
+    """Let go of spawned processes that will not be merged (they die by their join deadline)."""
+    if inter is not None:
+        try:
+            inter.Revoke()
+        except MPI.Exception:
+            pass
