@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable, agreed
-from ._events import EventLog, read_events, read_fates, read_outcomes
+from ._events import EventLog, read_events, read_fates, read_outcomes, read_result
 from ._faults import InjectedFault, Injection, parse_schedule
 from ._lazy import lazy_exports
 from ._policy import Decision, FixedOrder, Outlook, RebuildContext, RebuildPolicy
@@ -35,5 +35,5 @@ __all__ = [
     "RebuildPolicy", "RebuildContext", "Decision", "FixedOrder", "Outlook",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "InjectedFault", "agreed",
     "Injection", "parse_schedule", "check_ulfm", "agree_on_failed",
-    "EventLog", "read_events", "read_outcomes", "read_fates",
+    "EventLog", "read_events", "read_outcomes", "read_fates", "read_result",
 ]

@@ -72,6 +72,14 @@ def read_outcomes(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("outcome-*.json"))]
 
 
+def read_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The program's last recorded result (``World.record_result``), without the event's context."""
+    results = [e for e in read_events(run_dir) if e["event"] == "result"]
+    if not results:
+        return None
+    return {k: v for k, v in results[-1].items() if k not in ("event", "t", "pid", "logical", "rank", "gen", "role")}
+
+
 def read_fates(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """How each process ended, as its sentinel saw it (``elastic.comm._sentinel``)."""
     return [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("fate-*.json"))]

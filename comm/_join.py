@@ -39,6 +39,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         ConfigError: a setting is wrong.
     """
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    if not MPI.Is_initialized():  # a tool module imported first told mpi4py not to initialize
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
     check_ulfm(config.require_ulfm)
     parent = MPI.Comm.Get_parent()
     if parent != MPI.COMM_NULL:

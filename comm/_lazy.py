@@ -30,3 +30,18 @@ def lazy_exports(namespace: dict[str, Any], where: dict[str, str]) -> tuple[Call
         return sorted(set(namespace) | set(where))
 
     return __getattr__, __dir__
+
+
+def keep_mpi_uninitialized() -> None:
+    """For tools (the launcher, the report): a later ``from mpi4py import MPI`` in this process must
+    not start MPI (a singleton MPI_Init can start a PMIx server or reach for a batch system).
+
+    Left alone in a process an MPI launcher started (an MPI rank, a pytest-mpi run): there the
+    program means to use MPI, and ``elastic.init()`` initializes it if it was not.
+    """
+    import os
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules and not any(k in os.environ for k in ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE")):
+        import mpi4py
+        mpi4py.rc.initialize = False

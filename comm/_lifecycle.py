@@ -81,8 +81,8 @@ class Lifecycle:
     def leave_together(self, code: int) -> None:
         """Meet every live process of the job in a last agreement, then go (collective over the universe).
 
-        Returns (to let ``MPI_Finalize`` run) only when the job never saw a
-        failure; otherwise ends the process with ``code``.
+        Returns (after ``MPI_Finalize``) only when the job never saw a failure;
+        otherwise ends the process with ``code``.
         """
         from mpi4py import MPI
 
@@ -106,6 +106,8 @@ class Lifecycle:
         world.watchdog.announce_exit(code)
         if failures:
             os._exit(code)
+        if not MPI.Is_finalized():  # ourselves: whoever initialized MPI, this process leaves it cleanly
+            MPI.Finalize()
 
     # ------------------------------------------------------------------ hooks
     def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:

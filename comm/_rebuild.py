@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from mpi4py import MPI
 
@@ -152,7 +152,7 @@ class Rebuilder:
         done.causes.extend(self._causes(dead, members))
         world.fire(members, "rebuild")
         t = time.perf_counter()
-        shrunk = members.comm.Shrink()
+        shrunk = cast(MPI.Intracomm, members.comm.Shrink())
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         alive = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
                                           members.comm.Get_group())
@@ -320,7 +320,7 @@ class Rebuilder:
 def split_actives(members: Members) -> MPI.Intracomm:
     """The active ranks' communicator, ordered by logical rank (collective over ``members.comm``)."""
     mine = members.mine()
-    comm = members.comm.Split(MPI.UNDEFINED if mine == SPARE else 0, max(mine, 0))
+    comm = cast(MPI.Intracomm, members.comm.Split(MPI.UNDEFINED if mine == SPARE else 0, max(mine, 0)))
     if comm != MPI.COMM_NULL:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm

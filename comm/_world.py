@@ -12,7 +12,7 @@ it ends ``_lifecycle``'s.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -40,7 +40,7 @@ class World:
     def __init__(self, members: Members, config: Config, policy: RebuildPolicy, initial_size: int,
                  generation: int, role: Role) -> None:
         self.members = members
-        self.comm: MPI.Intracomm = MPI.COMM_NULL
+        self.comm = cast(MPI.Intracomm, MPI.COMM_NULL)  # set by the join
         self.config, self.policy, self.initial_size = config, policy, initial_size
         self.generation, self.role = generation, role
         self.last_rebuild: Rebuild | None = None
@@ -188,6 +188,19 @@ class World:
                 self.comm, _collectives.by_rank(outgoing, order), _collectives.by_rank(incoming, order), buffer,
                 lambda: self.fault_point(step, point))
         return {r: arrays for r, arrays in zip(order, received) if arrays}, into, sent
+
+    def interrupt(self) -> None:
+        """Revoke the active communicator (local): every peer leaves what it waits for in it with
+        ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
+        try:
+            self.comm.Revoke()
+        except MPI.Exception:
+            pass  # revoked by a peer already
+
+    def record_result(self, **fields: Any) -> None:
+        """Record the program's result (the final loss, a model's hash) in the events, where the
+        report and tools find it (local: call it on the rank that has it)."""
+        self.events.emit("result", **fields)
 
     # ------------------------------------------------------- the contract
     def note_commit(self) -> None:

@@ -40,7 +40,8 @@ __getattr__, __dir__ = lazy_exports(globals(), {
 })
 
 __all__ = [
-    "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy", "StepClock",
+    "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy",
+    "StepClock",
     "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost", "agreed",
 ]

@@ -29,12 +29,15 @@ from typing import IO, Any
 
 from elastic.comm import Config, ConfigError, Injection, read_events, read_fates, read_outcomes
 from elastic.comm._events import describe_end
+from elastic.comm._lazy import keep_mpi_uninitialized
 
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
 # Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
 _NOISE = b"NBC_Progress: an error"
+
+keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here
 
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
@@ -106,15 +109,15 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = ()) -> dict[str, 
     pids = sorted(set(outcomes) | set(fates) | set(last_seen))
     deaths = []
     for pid in pids:
-        outcome, fate, seen = outcomes.get(pid), fates.get(pid), last_seen.get(pid, {})
+        outcome, fate = outcomes.get(pid), fates.get(pid)
+        info = outcome if outcome is not None else last_seen.get(pid, {})
         status = outcome["status"] if outcome else None
-        left_together = status in _EXPECTED_END + ("error",) and not outcome.get("after_finish") and \
+        left_together = status in _EXPECTED_END + ("error",) and not info.get("after_finish") and \
             (fate is None or fate["end"] == "exited")
         if left_together:  # finished, released, or stopped with the job's agreed error (told once, below)
             continue
-        logical = (outcome or seen).get("logical")
-        deaths.append({"pid": pid, "logical": logical, "gen": (outcome or seen).get("gen"),
-                       "role": (outcome or seen).get("role"), "status": status, "how": _how(outcome, fate),
+        deaths.append({"pid": pid, "logical": info.get("logical"), "gen": info.get("gen"),
+                       "role": info.get("role"), "status": status, "how": _how(outcome, fate),
                        "injected": bool(status and status.startswith("injected-"))})
     statuses = [o["status"] for o in outcomes.values()]
     stop = next((o for o in outcomes.values() if o["status"] == "error"), None)

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic.comm import read_events
+from elastic.comm._lazy import keep_mpi_uninitialized
+
+keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here
 
 
 def final_steps(events: list[dict]) -> dict[int, dict]:

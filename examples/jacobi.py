@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import sys
 
 import numpy as np
@@ -92,7 +90,8 @@ def main() -> int:
             needs_sync = True
             if world.rank == world.first_survivor:
                 ms = {k: round(v * 1e3, 1) for k, v in rebuild.durations.items()}
-                print(f"[jacobi] generation {rebuild.generation}: lost logical ranks {sorted(map(int, rebuild.failed))}, "
+                lost = sorted(map(int, rebuild.failed))
+                print(f"[jacobi] generation {rebuild.generation}: lost logical ranks {lost}, "
                       f"rebuilt by {rebuild.mode} in {ms['total']} ms {ms}; now {world.size} active ranks, "
                       f"{world.spares} spares", flush=True)
 
@@ -101,12 +100,8 @@ def main() -> int:
         digest = hashlib.sha256(x.tobytes()).hexdigest()
         print(f"[jacobi] {step} steps on {world.size} ranks (generation {world.generation}): "
               f"residual {residual:.3e}, x sha256 {digest[:16]}", flush=True)
-        run_dir = os.environ.get("ELASTIC_RUN_DIR")
-        if run_dir:
-            with open(os.path.join(run_dir, "result.json"), "w") as f:
-                json.dump({"steps": step, "size": world.size, "generation": world.generation,
-                           "logical_ranks": [int(r) for r in world.logical_ranks],
-                           "x_sha256": digest, "residual": residual}, f)
+        world.record_result(steps=step, size=world.size, generation=world.generation,
+                            logical_ranks=[int(r) for r in world.logical_ranks], x_sha256=digest, residual=residual)
     return 0
 
 

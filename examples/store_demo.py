@@ -9,8 +9,6 @@ exactly what the dead rank had committed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import numpy as np
@@ -31,9 +29,6 @@ def main() -> int:
     parser.add_argument("--floats", type=int, default=300_000, help="float64 values in 'weights' per rank")
     parser.add_argument("--replication", type=int, default=2)
     parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
-    parser.add_argument("--corrupt", type=int, default=None,
-                        help="logical rank 0 flips a byte in each copy it holds of this logical rank's chunks")
-    parser.add_argument("--corrupt-at", type=int, default=5, help="... once it has committed this version")
     args = parser.parse_args()
 
     world = elastic.init()
@@ -60,8 +55,6 @@ def main() -> int:
                     all_checks = world.comm.gather(checks, root=0)
                 world.finish()
                 break
-            if args.corrupt is not None and version == args.corrupt_at and world.logical_rank == 0:
-                store.corrupt_copy_for_test(args.corrupt)
             world.fault_point(version)
             store.commit(state_of(int(world.logical_rank), version + 1, args.floats), version + 1)
             version += 1
@@ -73,11 +66,8 @@ def main() -> int:
         flat = [c for rank_checks in all_checks for c in rank_checks]
         print(f"[store] version {version} on {world.size} ranks (generation {world.generation}); "
               f"verified {sum(c['ok'] for c in flat)}/{len(flat)} restored states bit for bit", flush=True)
-        run_dir = os.environ.get("ELASTIC_RUN_DIR")
-        if run_dir:
-            with open(os.path.join(run_dir, "result.json"), "w") as f:
-                json.dump({"version": version, "size": world.size, "generation": world.generation,
-                           "logical_ranks": [int(r) for r in world.logical_ranks], "checks": flat}, f)
+        world.record_result(version=version, size=world.size, generation=world.generation,
+                            logical_ranks=[int(r) for r in world.logical_ranks], checks=flat)
     return 0
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import sys
 
 import numpy as np
@@ -115,24 +113,18 @@ def digest(state_dict: dict) -> str:
 
 
 def report(world: elastic.World, state: elastic.State, loss: float, **fields: object) -> None:
-    """Rank 0 prints the outcome and writes result.json for the tests (local)."""
+    """Rank 0 prints the outcome and records it in the events (local)."""
     if world.rank != 0:
         return
-    result = {"steps": state.step, "size": world.size, "generation": world.generation, "final_loss": loss,
-              "logical_ranks": [int(r) for r in world.logical_ranks], **fields}
     print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
-          f"loss {loss:.6f}, model sha256 {str(fields.get('model_sha256'))[:16]}", flush=True)
-    run_dir = os.environ.get("ELASTIC_RUN_DIR")
-    if run_dir:
-        with open(os.path.join(run_dir, "result.json"), "w") as f:
-            json.dump(result, f)
+          f"loss {loss:.6f}, model sha256 {fields.get('model_sha256')}", flush=True)
+    world.record_result(steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
+                        logical_ranks=[int(r) for r in world.logical_ranks], **fields)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.add_argument("--diverge-at", type=int, default=None,
-                        help="bad input: logical rank 2 perturbs its weights at this step (commit must refuse)")
     args = parser.parse_args()
     x, y, model = setup(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -149,9 +141,6 @@ def main() -> int:
             optimizer.zero_grad()
             loss, samples = local_loss(world, model, x, y, batches, state.step, args)
             optimizer.step()
-            if args.diverge_at == state.step and world.logical_rank == 2:
-                with torch.no_grad():
-                    model[0].weight[0, 0] += 1.0
             state.step += 1
             state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
             state.record_step(state.step, loss, total=args.steps, samples=samples)

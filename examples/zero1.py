@@ -55,7 +55,7 @@ def main() -> int:
     me = int(world.logical_rank)
     size = int(bounds[me + 1] - bounds[me])
     state = elastic.TorchState(world, model=model, replication=args.replication, local=("adam",), step=0,
-                               loss=float("nan"), **{f"adam.{me}.m": np.zeros(size, np.float32), f"adam.{me}.v": np.zeros(size, np.float32)})
+                               loss=float("nan"), **{f"adam.{me}.{k}": np.zeros(size, np.float32) for k in "mv"})
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
     @elastic.run

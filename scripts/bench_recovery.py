@@ -17,9 +17,9 @@ asked) runs under mpiexec --with-ft ulfm and loses logical rank 1 after step
 Recovery time = the kill -> the first completed step past the one the job was
 on when killed, so the steps lost since the last commit / checkpoint count in
 every column. Phases: for (a-c) rebuild (kill -> world rebuilt and every rank
-in the store's recovery), restore, redo (lost steps again); for (d) teardown (kill -> mpiexec gone), relaunch (mpiexec ->
-every rank initialised), load, redo. Medians over the repetitions; the ratio
-columns are (d) over each of (a-c).
+in the store's recovery), restore, redo (lost steps again); for (d) teardown
+(kill -> mpiexec gone), relaunch (mpiexec -> every rank initialised), load,
+redo. Medians over the repetitions; the ratio columns are (d) over each of (a-c).
 
 Steady state, in the same run: step time with a commit every step and every
 ``interval`` steps over no fault tolerance at all (commit only at start and
@@ -152,7 +152,8 @@ def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> l
     events = events_of(run_dir)
     out = []
     for row in timeline(events):
-        past = [e for e in events if e["event"] == "step" and e["gen"] >= row["gen"] and e["step"] > row["failed_at_step"]]
+        past = [e for e in events
+                if e["event"] == "step" and e["gen"] >= row["gen"] and e["step"] > row["failed_at_step"]]
         if not past:
             continue
         restored = row["t_resumed"] - row["resume"] / 1e3

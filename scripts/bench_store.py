@@ -101,7 +101,8 @@ def worker(mb: int) -> int:
     restore_s = time.perf_counter() - t
     restore_max = comm.allreduce(restore_s, op=MPI.MAX)
     fetch_max = comm.allreduce(store.last_recovery["fetch"], op=MPI.MAX)
-    ok = store.restore()["weights"].tobytes() == np.random.default_rng(int(world.logical_rank)).random(nbytes // 8).tobytes()
+    expected = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
+    ok = store.restore()["weights"].tobytes() == expected.tobytes()
     all_ok = comm.allreduce(int(ok), op=MPI.MIN)
     results = comm.gather(out, root=0)
     if world.rank == 0:

@@ -31,12 +31,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.comm import read_events, read_outcomes  # noqa: E402
+from elastic.comm import read_events, read_outcomes, read_result  # noqa: E402
 from elastic.recovery import place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
@@ -116,7 +115,7 @@ def reference(replication: int, work: Path, cache: dict[int, dict]) -> dict:
         if rc != 0:
             raise SystemExit(f"the failure-free reference run failed (rc {rc}):\n{out[-3000:]}")
         chunks = max(-(-e["payload_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
-        cache[replication] = {**json.loads((run_dir / "result.json").read_text()), "chunks": chunks}
+        cache[replication] = {**(read_result(run_dir) or {}), "chunks": chunks}
     return cache[replication]
 
 
@@ -140,7 +139,7 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
     if rc == 0:
         if expect_loss:
             return "mismatch", "finished although every holder of some chunk died"
-        result = json.loads((run_dir / "result.json").read_text())
+        result = read_result(run_dir) or {}
         shrunk = any("shrink" in e["mode"] for e in read_events(run_dir) if e["event"] == "rebuilt")
         if result["steps"] != ref["steps"]:
             return "mismatch", f"{result['steps']} steps, not {ref['steps']}"

@@ -95,7 +95,7 @@ def main() -> int:
     a = parser.parse_args()
     k = measured_constants(a.measured)
     print("Assumptions:")
-    print(f"- failures: Poisson; one rank's MTBF from published data: "
+    print("- failures: Poisson; one rank's MTBF from published data: "
           + "; ".join(f"{name}: {h:,.0f} h" for name, h in RANK_MTBF_H.items()) + "; job MTTF = rank MTBF / ranks")
     print(f"- state per rank {a.state_gb} GB. In-memory (measured, {k['source']}): commit at "
           f"{k['commit_gbps']:.2f} GB/s per rank, in parallel on all ranks; recovery = {k['rebuild_s']:.3f} s "
@@ -115,7 +115,8 @@ def main() -> int:
     rows = []
     for source, rank_mtbf in RANK_MTBF_H.items():
         print(f"\nfailure data: {source}")
-        head = ("ranks", "job MTTF h", "method", "cost s", "recover s", "interval*", "ETTR*", "sim", "@10 min", "@60 min")
+        head = ("ranks", "job MTTF h", "method", "cost s", "recover s", "interval*", "ETTR*", "sim", "@10 min",
+                "@60 min")
         print(f"{head[0]:>6} {head[1]:>10}  {head[2]:<22}" + "".join(f"{h:>10}" for h in head[3:]))
         for n in a.ranks:
             mttf = rank_mtbf * HOUR / n

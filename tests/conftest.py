@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.comm import read_events, read_fates, read_outcomes
+from elastic.comm import read_events, read_fates, read_outcomes, read_result
 from elastic.report import final_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,14 @@ class Job:
 
     @property
     def result(self) -> dict:
-        return json.loads((self.run_dir / "result.json").read_text())
+        """What the program recorded as its result (``World.record_result``)."""
+        result = read_result(self.run_dir)
+        assert result is not None, f"the program recorded no result:\n{self.output[-3000:]}"
+        return result
+
+    @property
+    def has_result(self) -> bool:
+        return read_result(self.run_dir) is not None
 
     def of(self, name: str) -> list[dict]:
         return [e for e in self.events if e["event"] == name]
@@ -93,3 +100,8 @@ def assert_bitwise(job: Job, ref: dict, *keys: str) -> None:
     for key in ("model_sha256",) + keys:
         assert job.result[key] == ref["result"][key], key
     assert job.result["steps"] == ref["result"]["steps"]
+
+
+def fault(kind: str, rank: int = 1, step: int = 12, always: bool = False) -> dict[str, str]:
+    """The environment of tests/programs/faulty_train.py: which bug, on which rank, at which step."""
+    return {"FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step), "FAULT_ALWAYS": str(int(always))}

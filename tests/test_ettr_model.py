@@ -14,7 +14,8 @@ sys.modules[spec.name] = model  # dataclasses look their module up there
 spec.loader.exec_module(model)
 
 
-@pytest.mark.parametrize("cost, recover, mttf", [(2.0, 1.0, 3600.0), (60.0, 600.0, 7 * 3600.0), (16.0, 616.0, 4 * 3600.0)])
+@pytest.mark.parametrize("cost, recover, mttf",
+                         [(2.0, 1.0, 3600.0), (60.0, 600.0, 7 * 3600.0), (16.0, 616.0, 4 * 3600.0)])
 def test_daly_interval_is_the_optimum_and_the_simulation_agrees(cost, recover, mttf):
     method = model.Method("m", cost, recover)
     tau = model.optimal_interval(method, mttf)

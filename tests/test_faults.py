@@ -109,7 +109,7 @@ def test_more_failures_than_allowed_is_a_clear_error(tmp_path):
     errors = [o for o in job.outcomes if o["status"] == "error"]
     assert len(errors) == 2  # both survivors stop with the same decision
     assert all("below min_size=3" in o["message"] for o in errors)
-    assert not (job.run_dir / "result.json").exists()
+    assert not job.has_result
 
 
 def test_without_ulfm_the_job_says_what_to_run(tmp_path):

@@ -16,16 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB_TIMEOUT, ROOT, Job, assert_bitwise, launch
+from conftest import JOB_TIMEOUT, ROOT, Job, assert_bitwise, fault, launch
 from elastic.comm import read_events
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)
 FAULTY = ("tests/programs/faulty_train.py",)
-
-
-def fault(kind: str, rank: int = 1, step: int = 12, always: bool = False) -> dict[str, str]:
-    return {"FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step), "FAULT_ALWAYS": str(int(always))}
 
 
 def fates_by_end(job) -> dict[str, list[dict]]:
@@ -161,7 +157,7 @@ def test_losing_both_holders_with_spares_left_stops_every_process_with_data_lost
 
 
 def test_a_refused_commit_with_a_parked_spare_stops_every_process(tmp_path):
-    job = launch(tmp_path, 4, "--spares", "1", program=TRAIN + ("--diverge-at", "7"))
+    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("diverge", rank=2, step=7))
     assert job.rc == 1, job.output
     assert job.statuses() == ["error"] * 4 + ["spare-unused"]
     assert not any(f["end"] != "exited" for f in job.fates)  # nobody was killed: they left together

@@ -56,7 +56,8 @@ def test_checkfree_rebuilds_the_stage_better_than_random(tmp_path, stage, method
                      program=PIPE + LONG + ("--recovery", recovery, "--checkfree-plus"))
         assert job.rc == 0, job.output
         rebuilt = job.of("stage_rebuilt")
-        assert [(e["stage"], e["method"]) for e in rebuilt] == [(stage, method if recovery == "checkfree" else "random")]
+        expected = method if recovery == "checkfree" else "random"
+        assert [(e["stage"], e["method"]) for e in rebuilt] == [(stage, expected)]
         assert all(s["finite"] and s["shapes_ok"] for s in job.result["stages"])
         assert not job.of("state_restored")  # nothing came from a copy: there is none
         runs[recovery] = loss_after(job, 50)

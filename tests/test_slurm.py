@@ -8,7 +8,6 @@ slurmctld, slurm-client and munge; where they cannot be had the tests skip.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, launch
-from elastic.comm import read_events, read_outcomes
+from elastic.comm import read_events, read_outcomes, read_result
 
 CLUSTER = ROOT / "scripts" / "slurm" / "local_cluster.sh"
 pytestmark = [
@@ -62,7 +61,7 @@ def test_a_rank_killed_inside_the_allocation_is_replaced(slurm, tmp_path):
     rebuilt = [e for e in read_events(run_dir) if e["event"] == "rebuilt"]
     assert rebuilt and {(e["mode"], tuple(e["failed"])) for e in rebuilt} == {("spare", (1,))}
     assert sorted(o["status"] for o in read_outcomes(run_dir)) == ["finished"] * 4 + ["injected-kill"]
-    result = json.loads((run_dir / "result.json").read_text())
+    result = read_result(run_dir)
     assert result["model_sha256"] == reference.result["model_sha256"]
 
 

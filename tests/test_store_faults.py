@@ -61,7 +61,8 @@ def test_kill_the_rank_sending_recovery_data(tmp_path):
 
 def test_corrupted_copy_is_detected_and_another_replica_used(tmp_path):
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@5",
-                 program=STORE + ("--replication", "3", "--corrupt", "1"))
+                 program=("tests/programs/corrupt_store.py", "--replication", "3"),
+                 env={"CORRUPT_OWNER": "1", "CORRUPT_AT": "5"})
     assert_all_verified(job, {0, 1, 2, 3})
     corrupt = job.of("corrupt_copy")
     assert corrupt and all(e["owner"] == 1 and e["holder"] == 0 for e in corrupt)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_bitwise, launch
+from conftest import assert_bitwise, fault, launch
 from elastic.report import ettr, final_steps, timeline
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)
+FAULTY = ("tests/programs/faulty_train.py",)  # train.py with a bug injected by the test
 ZERO = ("examples/zero1.py",)
 NO_DROPOUT = ("--dropout", "0")
 
@@ -109,13 +110,13 @@ def test_cost_model_spawns_when_shrinking_costs_more(tmp_path, reference):
 
 
 def test_state_that_differs_across_ranks_is_refused_on_every_rank(tmp_path):
-    job = launch(tmp_path, 4, program=TRAIN + ("--diverge-at", "7"))
+    job = launch(tmp_path, 4, program=FAULTY, env=fault("diverge", rank=2, step=7))
     assert job.rc == 1, job.output
     messages = {o["message"] for o in job.outcomes if o["status"] == "error"}
     assert len(job.outcomes) == 4 and len(messages) == 1, job.outcomes
     (message,) = messages
     assert "'model.0.weight' on logical ranks [2] differs" in message and "last version is kept" in message
-    assert not (job.run_dir / "result.json").exists()
+    assert not job.has_result
 
 
 def test_more_failures_than_the_policy_allows(tmp_path):

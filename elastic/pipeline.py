@@ -1,0 +1,204 @@
+"""Pipeline parallelism that loses a stage and goes on: the roll-forward loop and the stage rebuild.
+
+Two ways back for a lost stage (see ``elastic.recovery.plan_stage_recovery``):
+
+* a replica: commit the stage with ``TorchState`` and let ``elastic.run`` bring it
+  back from peers' memory (every rank rolls back to the commit; exact);
+* no copy anywhere: ``roll_forward`` never rolls back. A step's update is applied
+  only after a vote that every stage finished the step, so survivors never
+  disagree; after a rebuild ``StageRebuild`` brings the lost stages back from
+  their neighbours (CheckFree, Blagoev et al., arXiv 2506.15461: the
+  neighbours' blocks averaged by their last gradient norms; CheckFree+: an end
+  stage as a copy of its swapped neighbour, which kept a copy of the end
+  layer), and training goes on from the current step.
+
+A stage is an ``nn.Module`` with ``body`` (its blocks: the same structure on
+every stage), ``embed`` on the first stage and ``head`` on the last.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from elastic.comm import ProcessFailure, Role, Unrecoverable, World, agreed
+from elastic.recovery import LR_BOOST, checkfree_average, plan_stage_recovery
+
+from ._state import StepClock, TorchState
+
+__all__ = ["roll_forward", "StageRebuild", "body_grad_norm", "stage_state", "host_stages", "LR_BOOST"]
+
+
+def roll_forward(world: World, steps: int, compute: Callable[[int], float], apply: Callable[[int], None],
+                 rebuild: Callable[[set[int]], int | None], after: Callable[[int], None] | None = None,
+                 clock: StepClock | None = None) -> int:
+    """Run steps until ``steps`` so that every update lands on every stage or on none (collective).
+
+    Args:
+        compute: forward and backward of step ``s`` on this rank's stages; returns the loss.
+            A ``ProcessFailure`` inside is voted on: no stage applies that step.
+        apply: the update of step ``s`` (the optimizer step; local), after the vote.
+        rebuild: after a rebuild, brings back the stages in ``lost`` (collective over the new
+            world); returns the step to go on from, or None for the step the survivors were at.
+        after: collective work once step ``s`` counts as done (``keep_end_copies``, a checkpoint).
+        clock: records each step (events, progress line).
+
+    Ends with ``world.finish()``; returns the steps done.
+    """
+    step = 0
+    lost = {int(r) for r in world.last_rebuild.replaced} if world.last_rebuild else set()
+    pending = world.role is Role.RECOVERED
+    clock = clock or StepClock(world)
+    clock.restart()
+    while True:
+        try:
+            if pending:
+                step = world.bcast(step, root=world.first_survivor)  # newcomers learn where the others are
+                step = rebuild(lost) or step
+                pending = False
+                clock.restart()
+            if step == steps:
+                break
+            world.fault_point(step)
+            try:
+                loss, ok = compute(step), True
+            except ProcessFailure:
+                loss, ok = float("nan"), False
+                world.interrupt()  # peers waiting on this rank's messages must not wait for ever
+            world.vote(ok, "a stage could not finish the step")
+            apply(step)
+            step += 1
+            if after is not None:
+                after(step)
+            clock.step_done(step, loss, total=steps)
+        except ProcessFailure:
+            lost = {int(r) for r in world.recover(clock.outlook).replaced}
+            pending = True
+    world.finish()
+    return step
+
+
+def stage_state(world: World, stage: Any, optimizer: Any, **values: Any) -> TorchState:
+    """The replica way back: this rank's stage and optimizer (and ``values``) in a ``TorchState``.
+
+    Every stage's values are per rank (they differ across stages), and after a
+    shrink a removed stage goes to a surviving neighbour (the one before it, if
+    alive), which then hosts two stages; see ``host_stages``.
+    """
+    me = int(world.logical_rank)
+    return TorchState(world, modules={f"s{me}": (stage, optimizer)}, local=tuple(f"s{s}" for s in range(
+        world.initial_size)), adopt=lambda removed, survivors: {
+            r: min(survivors, key=lambda s: (abs(s - r), s)) for r in removed}, **values)
+
+
+def host_stages(state: TorchState, hosted: dict[int, Any], optimizers: dict[int, Any],
+                make: Callable[[int], tuple[Any, Any]]) -> None:
+    """Call at the top of the function ``elastic.run`` wraps (local): on a replacement, say which stage
+    came back here; after a shrink, host the stages this rank adopted (``make(s)`` builds stage ``s``
+    and its optimizer, which then load the adopted values)."""
+    world = state.world
+    if world.role is Role.RECOVERED:  # a spare or spawned process, in the generation it took over
+        world.events.emit("stage_rebuilt", stage=int(world.logical_rank), method="replica", sources=[])
+    for name in state.unbound():
+        s = int(name[1:])
+        hosted[s], optimizers[s] = make(s)
+        state.bind(name, hosted[s], optimizers[s])
+        world.events.emit("stage_rebuilt", stage=s, method="replica", sources=[], adopted=True)
+
+
+def body_grad_norm(stage: Any) -> float:
+    """L2 norm of the blocks' gradients, before any clipping (CheckFree's weight)."""
+    return math.sqrt(sum(float(p.grad.pow(2).sum()) for p in stage.body.parameters() if p.grad is not None))
+
+
+class StageRebuild:
+    """Brings lost stages back from their neighbours (CheckFree, CheckFree+); collective over the stages.
+
+    Args:
+        world: the world; stage ``s`` lives on logical rank ``s``.
+        stages: pipeline depth S.
+        plus: CheckFree+ (the end stages were trained in swapped order half the time; stages 1 and
+            S-2 keep copies of the embedding and the head through ``keep_end_copies``).
+        average_moments: also average the neighbours' Adam moments (beyond the paper, which starts
+            the rebuilt stage with a fresh optimizer).
+    """
+
+    def __init__(self, world: World, stages: int, plus: bool = False, average_moments: bool = False) -> None:
+        self.world, self.stages, self.plus, self.average_moments = world, stages, plus, average_moments
+        self.copies: dict[str, dict[str, np.ndarray]] = {}  # CheckFree+: the end layer this stage keeps
+
+    def keep_end_copies(self, stage: Any, me: int) -> None:
+        """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head (collective, after an update)."""
+        if not self.plus or self.stages < 3:
+            return
+        sends = {}
+        for part, owner, keeper in (("embed", 0, 1), ("head", self.stages - 1, self.stages - 2)):
+            if me == owner:
+                sends[int(self.world.current_rank_of(keeper))] = (part, _arrays(getattr(stage, part)))
+        for got in self.world.alltoall(sends):
+            if got is not None:
+                self.copies[got[0]] = got[1]
+
+    def rebuild(self, lost: set[int], me: int, stage: Any, optimizer: Any, grad_norm: float,
+                make_optimizer: Callable[[float], Any], replicas: dict[int, set[int]] | None = None) -> Any:
+        """Bring back the stages in ``lost``: replica first (``replicas``: stage -> the ranks holding an exact
+        copy, e.g. from the store), else CheckFree, else CheckFree+ for an end stage, else ``Unrecoverable``
+        naming them, on every rank alike (collective). ``make_optimizer(lr_factor)`` gives a rebuilt stage
+        its fresh optimizer. Returns the optimizer this rank goes on with."""
+        try:
+            plan = plan_stage_recovery(self.stages, lost, replicas or {}, self.plus)
+        except Unrecoverable as exc:  # every stage plans from the same agreed rebuild: stop together
+            raise agreed(exc) from None
+        world = self.world
+        sends: dict[int, list] = {}
+        for rebuilt in (r for r in plan if r.method != "replica" and me in r.sources):
+            sends.setdefault(int(world.current_rank_of(rebuilt.stage)), []).append(
+                (me, _arrays(stage.body), grad_norm, _moments(stage, optimizer) if self.average_moments else {},
+                 self.copies))
+        received = [item for got in world.alltoall(sends) if got for item in got]
+        for rebuilt in (r for r in plan if r.stage == me and r.method != "replica"):
+            got = {src: (body, norm, moments, copies) for src, body, norm, moments, copies in received}
+            if rebuilt.method == "checkfree":
+                (b0, n0, m0, _), (b1, n1, m1, _) = got[rebuilt.sources[0]], got[rebuilt.sources[1]]
+                _load(stage.body, checkfree_average(b0, b1, n0, n1))
+                moments = checkfree_average(m0, m1, n0, n1) if m0 and m1 else {}
+            else:  # checkfree+: the swapped neighbour's blocks, and the end layer it kept a copy of
+                body, _, moments, copies = got[rebuilt.sources[0]]
+                part = "embed" if rebuilt.stage == 0 else "head"
+                _load(stage.body, body)
+                _load(getattr(stage, part), copies[part])
+            world.events.emit("stage_rebuilt", stage=rebuilt.stage, method=rebuilt.method,
+                              sources=list(rebuilt.sources), moments=bool(moments))
+            optimizer = make_optimizer(LR_BOOST)
+            if moments:
+                _seed_moments(stage, optimizer, moments)
+        return optimizer
+
+
+def _arrays(module: Any) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+
+
+def _load(module: Any, values: dict[str, np.ndarray]) -> None:
+    import torch
+    module.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
+
+
+def _moments(stage: Any, optimizer: Any) -> dict[str, np.ndarray]:
+    """Adam's moments of the blocks, by parameter name (empty before the first step)."""
+    out = {}
+    for name, p in stage.body.named_parameters():
+        state = optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[f"{name}:{key}"] = state[key].numpy().copy()
+    return out
+
+
+def _seed_moments(stage: Any, optimizer: Any, moments: dict[str, np.ndarray]) -> None:
+    import torch
+    for name, p in stage.body.named_parameters():
+        if f"{name}:exp_avg" in moments:
+            optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.from_numpy(moments[f"{name}:exp_avg"]),
+                                  "exp_avg_sq": torch.from_numpy(moments[f"{name}:exp_avg_sq"])}

@@ -1,0 +1,35 @@
+"""examples/store_demo.py where logical rank 0 corrupts the copies it holds of one rank's state.
+
+    CORRUPT_OWNER=1 CORRUPT_AT=5 python tests/programs/corrupt_store.py --replication 3
+
+Once version CORRUPT_AT is committed, logical rank 0 flips a byte in every copy
+it holds of logical rank CORRUPT_OWNER's chunks (a silent memory error): the
+store must detect it by checksum and fetch those chunks from another holder.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import store_demo  # noqa: E402  (examples/store_demo.py)
+
+from elastic.recovery import ReplicatedStore  # noqa: E402
+
+OWNER, AT = int(os.environ["CORRUPT_OWNER"]), int(os.environ["CORRUPT_AT"])
+_commit = ReplicatedStore.commit
+
+
+def commit(self: ReplicatedStore, state, version: int) -> None:
+    _commit(self, state, version)
+    if version == AT and self.world.logical_rank == 0:
+        held = self._current.held
+        for (owner, c), data in sorted(held.items()):
+            if owner == OWNER and data.nbytes:
+                held[(owner, c)] = data.copy()
+                held[(owner, c)][0] ^= 0xFF
+
+
+ReplicatedStore.commit = commit  # type: ignore[method-assign]
+sys.exit(store_demo.main())
