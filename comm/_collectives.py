@@ -13,53 +13,51 @@ from mpi4py import MPI
 
 from ._errors import Unrecoverable
 
-Buffer = Callable[[int], np.ndarray]  # nbytes -> a byte buffer to receive into
 
+def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming: Sequence[list[np.ndarray]],
+             in_flight: Callable[[], None]) -> int:
+    """Send byte arrays to every peer and receive into arrays given in advance (collective, blocking).
 
-def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming: Sequence[list[int]],
-             buffer: Buffer, in_flight: Callable[[], None]) -> tuple[list[list[np.ndarray]], np.ndarray, int]:
-    """Send byte arrays to every peer and receive arrays of known sizes (collective, blocking).
-
-    ``outgoing[r]`` / ``incoming[r]``: what goes to / comes from current rank
-    ``r``. One ``Alltoallw``: arrays leave from where they lie (an indexed
-    datatype of their addresses per peer, no packing copy) and arrive, in
-    order, in one buffer from ``buffer``. ``in_flight`` runs once the sizes are
-    agreed, before the transfer (a fault point). Returns the arrays received
-    from each rank (views of that buffer), the buffer, and the bytes sent.
+    ``outgoing[r]``: what goes to current rank ``r``; ``incoming[r]``: the
+    writable byte arrays that what ``r`` sends lands in, in order. One
+    ``Alltoallw`` over the arrays' own addresses: no packing copy on either
+    side, and adjacent arrays travel as one block. ``in_flight`` runs once
+    the sizes are agreed, before the transfer (a fault point). Returns the
+    bytes sent.
     """
     send_counts = [sum(a.nbytes for a in arrays) for arrays in outgoing]
-    expected = [sum(sizes) for sizes in incoming]
+    expected = [sum(a.nbytes for a in arrays) for arrays in incoming]
     recv_counts = comm.alltoall(send_counts)
     if recv_counts != expected:  # a planning bug: never slice data by a plan the sender does not share
         raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): expected "
                             f"{expected} bytes by rank, peers announced {recv_counts}")
-    recvbuf = buffer(sum(recv_counts))
-    types = [_gather_type(arrays) for arrays in outgoing]
+    send_types = [_blocks_type(arrays) for arrays in outgoing]
+    recv_types = [_blocks_type(arrays) for arrays in incoming]
     try:
         in_flight()
-        comm.Alltoallw([MPI.BOTTOM, ([int(t != MPI.BYTE) for t in types], [0] * len(types)), types],
-                       [recvbuf, (recv_counts, list(np.cumsum([0] + recv_counts[:-1]))),
-                        [MPI.BYTE] * len(types)])
+        comm.Alltoallw([MPI.BOTTOM, ([int(t != MPI.BYTE) for t in send_types], [0] * len(send_types)), send_types],
+                       [MPI.BOTTOM, ([int(t != MPI.BYTE) for t in recv_types], [0] * len(recv_types)), recv_types])
     finally:
-        for t in types:
+        for t in send_types + recv_types:
             if t != MPI.BYTE:
                 t.Free()
-    received: list[list[np.ndarray]] = []
-    offset = 0
-    for sizes in incoming:
-        received.append([])
-        for size in sizes:
-            received[-1].append(recvbuf[offset:offset + size])
-            offset += size
-    return received, recvbuf, sum(send_counts)
+    return sum(send_counts)
 
 
-def _gather_type(arrays: list[np.ndarray]) -> MPI.Datatype:
-    """A datatype that sends ``arrays`` in order from their own addresses (MPI.BYTE when none)."""
-    arrays = [a for a in arrays if a.nbytes]
-    if not arrays:
+def _blocks_type(arrays: list[np.ndarray]) -> MPI.Datatype:
+    """A datatype over ``arrays`` in order, at their own addresses, adjacent ones merged (MPI.BYTE when none)."""
+    blocks: list[list[int]] = []  # [address, size]
+    for a in arrays:
+        if not a.nbytes:
+            continue
+        address = MPI.Get_address(a)
+        if blocks and blocks[-1][0] + blocks[-1][1] == address:
+            blocks[-1][1] += a.nbytes
+        else:
+            blocks.append([address, a.nbytes])
+    if not blocks:
         return MPI.BYTE
-    return MPI.BYTE.Create_hindexed([a.nbytes for a in arrays], [MPI.Get_address(a) for a in arrays]).Commit()
+    return MPI.BYTE.Create_hindexed([n for _, n in blocks], [a for a, _ in blocks]).Commit()
 
 
 def allreduce_sum(comm: MPI.Intracomm, arrays: Sequence[np.ndarray], in_flight: Callable[[], None]) -> None:

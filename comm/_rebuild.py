@@ -1,8 +1,8 @@
 """The rebuild: from a failure seen to a new world, identical on every live process.
 
 One round, run by every live process of the universe (parked spares and
-spawned processes too): agree on the dead, fence them, shrink, fill the gaps
-(spare / spawn / shrink, as the policy decides), install the new
+spawned processes too): shrink (which agrees on the dead), fence them, fill the
+gaps (spare / spawn / shrink, as the policy decides), install the new
 communicators, then a vote. The vote (ULFM Agree) succeeds everywhere or fails
 everywhere, so every process either leaves or starts another round on the
 newest communicator; a failure during the rebuild costs one more round.
@@ -25,7 +25,6 @@ from ._events import read_cause
 from ._membership import SPARE, Members, Proc
 from ._policy import Decision, Outlook, RebuildContext
 from ._ranks import LogicalRank, Role
-from ._ulfm import agree_on_failed
 
 if TYPE_CHECKING:
     from ._world import World
@@ -44,7 +43,7 @@ class Rebuild:
     removed: frozenset[LogicalRank]        # those dropped (shrink): their work must be re-sharded
     lost_spares: int                       # parked spares that died
     attempts: int                          # > 1 when a failure hit the rebuild itself
-    durations: dict[str, float]            # seconds per phase: agree, shrink, substitute, install, total
+    durations: dict[str, float]            # seconds per phase: agree (the shrink), substitute, install, total
     causes: tuple[dict[str, Any], ...] = ()  # how the dead processes ended, where they said so
     streak: int = 1                        # rebuilds since the last successful commit
 
@@ -141,29 +140,35 @@ class Rebuilder:
 
     # ------------------------------------------------------------------ one round
     def _round(self, members: Members, done: Summary) -> None:
-        """Agree on the dead, fence them, shrink and fill the gaps."""
+        """Agree on the dead (the shrink), fence them, fill the gaps.
+
+        ``Shrink`` is itself ULFM's agreement on who is alive: every survivor gets
+        the same communicator, so the dead are the ranks missing from it, known in
+        one round (an Agree on bitmasks would take one round per 30 ranks).
+        """
         world = self.world
-        t = time.perf_counter()
-        dead = agree_on_failed(members.comm)
-        self._timed("agree", t)
-        world.events.emit("agreed", failed=[members.table[u] for u in sorted(dead) if members.table[u] != SPARE],
-                          failed_universe=sorted(dead), attempt=done.attempts)
-        _fence(world, dead, members.procs)
-        done.causes.extend(self._causes(dead, members))
-        world.fire(members, "rebuild")
         t = time.perf_counter()
         shrunk = cast(MPI.Intracomm, members.comm.Shrink())
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         alive = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
                                           members.comm.Get_group())
-        gone = sorted(set(range(members.comm.Get_size())) - set(alive))
-        lost = {members.table[u] for u in gone if members.table[u] != SPARE}
-        done.lost_spares += sum(1 for u in gone if members.table[u] == SPARE)
+        dead = sorted(set(range(members.comm.Get_size())) - set(alive))
+        self._timed("agree", t)
+        world.events.emit("agreed", failed=[members.table[u] for u in dead if members.table[u] != SPARE],
+                          failed_universe=dead, attempt=done.attempts)
+        _fence(world, dead, members.procs)
+        done.causes.extend(self._causes(dead, members))
+        world.fire(members, "rebuild")
+        # A death since the shrink is found here, before any communicator is built on the shrunk one:
+        # Open MPI's communicator creation can spin for ever when a member is dead (seen with Merge).
+        if not shrunk.Agree(1):
+            raise ProcessFailure("a process could not take part in the rebuild")
+        lost = {members.table[u] for u in dead if members.table[u] != SPARE}
+        done.lost_spares += sum(1 for u in dead if members.table[u] == SPARE)
         done.failed |= lost
         done.replaced -= lost  # a replacement that died in this rebuild must be replaced again
         done.pending |= lost
         members.keep(alive, shrunk)
-        self._timed("shrink", t)
         t = time.perf_counter()
         self._fill(members, done)
         self._timed("substitute", t)
@@ -275,6 +280,8 @@ class Rebuilder:
         world = self.world
         world.members = members
         try:
+            if not members.comm.Agree(1):  # nobody died since: Split must not meet a dead member (it can spin)
+                return None
             world.comm = split_actives(members)
             members.procs = members.comm.allgather((socket.gethostname(), os.getpid()))
             return members.comm.bcast(done, root=0)

@@ -146,6 +146,14 @@ class World:
             if not self.comm.Agree(int(ok)):
                 raise ProcessFailure(why)
 
+    def agree_equal(self, value: int, ok: bool = True) -> bool:
+        """True on every active rank iff every one passed the same ``value`` (its low 30 bits) and
+        ``ok``; False on every one otherwise (collective, three ULFM Agrees: O(log n), no table)."""
+        low, mask = value & 0x3FFFFFFF, 0x3FFFFFFF
+        with self.guard():
+            same = self.comm.Agree(low) == low and self.comm.Agree(~low & mask) == ~low & mask
+            return bool(self.comm.Agree(int(same and ok)))
+
     def allgather(self, obj: Any) -> list[Any]:
         """Every active rank's ``obj`` in current-rank order, or ``ProcessFailure`` everywhere (collective)."""
         return self._agreed(lambda: self.comm.allgather(obj))
@@ -177,17 +185,15 @@ class World:
         with self.guard():
             _collectives.allreduce_sum(self.comm, arrays, lambda: self.fault_point(step, "collective"))
 
-    def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[int]],
-                 buffer: _collectives.Buffer = lambda n: np.empty(n, np.uint8), point: str = "commit",
-                 step: int | None = None) -> tuple[dict[int, list[np.ndarray]], np.ndarray, int]:
-        """Byte arrays to and from peers, by logical rank (collective); see ``_collectives.exchange``.
-        The ``point`` fault (commit or restore) fires with the transfer about to start."""
+    def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
+                 point: str = "commit", step: int | None = None) -> int:
+        """Byte arrays to peers, and into given arrays from them, by logical rank (collective; see
+        ``_collectives.exchange``). The ``point`` fault (commit or restore) fires with the transfer
+        about to start. Returns the bytes sent."""
         order = [int(r) for r in self.logical_ranks]
         with self.guard():
-            received, into, sent = _collectives.exchange(
-                self.comm, _collectives.by_rank(outgoing, order), _collectives.by_rank(incoming, order), buffer,
-                lambda: self.fault_point(step, point))
-        return {r: arrays for r, arrays in zip(order, received) if arrays}, into, sent
+            return _collectives.exchange(self.comm, _collectives.by_rank(outgoing, order),
+                                         _collectives.by_rank(incoming, order), lambda: self.fault_point(step, point))
 
     def interrupt(self) -> None:
         """Revoke the active communicator (local): every peer leaves what it waits for in it with
