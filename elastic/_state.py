@@ -39,7 +39,7 @@ def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
 
 
 def from_array(array: np.ndarray, kind: str) -> Any:
-    """The inverse of ``to_array`` (local)."""
+    """The inverse of ``to_array``: a new value of its own, never a view of ``array`` (local)."""
     if kind == "python":
         return array.item()
     if kind.startswith("torch:"):
@@ -47,7 +47,7 @@ def from_array(array: np.ndarray, kind: str) -> Any:
         tensor = torch.from_numpy(np.array(array))
         dtype = getattr(torch, kind.removeprefix("torch:"))
         return tensor.view(dtype) if tensor.dtype != dtype else tensor
-    return array
+    return np.array(array)
 
 
 class StepClock:
@@ -239,8 +239,19 @@ class State:
         return {name: to_array(name, value)[0] for name, value in self._values.items()}
 
     def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take the values in ``arrays`` (read-only views of the store: copied, into the existing
+        numpy arrays and tensors in place where the shape and type still fit)."""
         for name, array in arrays.items():
-            self._values[name] = from_array(array, self._kinds.setdefault(name, "numpy"))
+            kind = self._kinds.setdefault(name, "numpy")
+            current = self._values.get(name)
+            if kind == "numpy" and isinstance(current, np.ndarray) and current.flags.writeable and \
+                    current.shape == array.shape and current.dtype == array.dtype:
+                current[...] = array
+            elif kind.startswith("torch:") and current is not None and _is_tensor(current) and \
+                    tuple(current.shape) == array.shape and _torch_kind(current.dtype) == kind:
+                _copy_into(current, array)
+            else:
+                self._values[name] = from_array(array, kind)
 
     def _check_shared(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Raise the same ConfigError on every rank when a value that must be equal differs (collective)."""
@@ -331,11 +342,13 @@ class TorchState(State):
         for name, (model, optimizer) in self._modules.items():
             pre = f"{name}." if name else ""
             if model is not None and any(k.startswith(f"{pre}model.") for k in arrays):  # absent when all local
-                model.load_state_dict({key: from_array(arrays[f"{pre}model.{key}"], _torch_kind(t.dtype))
-                                       for key, t in model.state_dict().items()})
+                for key, tensor in model.state_dict().items():  # tensors that share the model's memory
+                    _copy_into(tensor, arrays[f"{pre}model.{key}"])
             if optimizer is not None and f"{pre}optim.meta" in arrays:
                 skeleton = pickle.loads(arrays[f"{pre}optim.meta"].tobytes())
-                optimizer.load_state_dict(_fill_tensors(skeleton, arrays, f"{pre}optim."))
+                current: dict[str, Any] = {}
+                _strip_tensors(optimizer.state_dict(), "", current)
+                optimizer.load_state_dict(_fill_tensors(skeleton, arrays, f"{pre}optim.", current))
         if "rng.torch" in arrays:
             torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"])))
             np.random.set_state(pickle.loads(arrays["rng.numpy"].tobytes()))
@@ -360,14 +373,35 @@ def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
     return obj
 
 
-def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str = "optim.") -> Any:
+def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str = "optim.",
+                  current: Mapping[str, Any] | None = None) -> Any:
+    """The skeleton with its tensors back: copied into ``current``'s tensor at the same path where it
+    still fits (the optimizer then keeps its own), else new."""
     if isinstance(obj, _TensorRef):
-        return from_array(arrays[f"{prefix}{obj.path}"], obj.kind)
+        array, have = arrays[f"{prefix}{obj.path}"], (current or {}).get(obj.path)
+        if have is not None and tuple(have.shape) == array.shape and _torch_kind(have.dtype) == obj.kind:
+            _copy_into(have, array)
+            return have
+        return from_array(array, obj.kind)
     if isinstance(obj, dict):
-        return {k: _fill_tensors(v, arrays, prefix) for k, v in obj.items()}
+        return {k: _fill_tensors(v, arrays, prefix, current) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_tensors(v, arrays, prefix) for v in obj)
+        return type(obj)(_fill_tensors(v, arrays, prefix, current) for v in obj)
     return obj
+
+
+def _copy_into(tensor: Any, array: np.ndarray) -> None:
+    """Copy a (read-only) array into a tensor's memory, once: no intermediate copy."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():  # torch warns on read-only arrays; the array is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(array)
+    if tensor.dtype == torch.bfloat16:
+        source = source.view(torch.bfloat16)
+    with torch.no_grad():
+        tensor.copy_(source.reshape(tensor.shape))
 
 
 def _pickled(obj: Any) -> np.ndarray:

@@ -29,10 +29,13 @@ def main() -> int:
     parser.add_argument("--floats", type=int, default=300_000, help="float64 values in 'weights' per rank")
     parser.add_argument("--replication", type=int, default=2)
     parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
+    parser.add_argument("--no-rollback-copy", action="store_true",
+                        help="the store keeps no copy of its own (each version's arrays are never changed here)")
     args = parser.parse_args()
 
     world = elastic.init()
-    store = ReplicatedStore(world, replication=args.replication, chunk_bytes=args.chunk_bytes)
+    store = ReplicatedStore(world, replication=args.replication, chunk_bytes=args.chunk_bytes,
+                            rollback_copy=not args.no_rollback_copy)
     version = 0
     checks: list[dict] = []
     needs_recovery = world.role is elastic.Role.RECOVERED

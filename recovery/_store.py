@@ -1,19 +1,34 @@
 """A ReStore-style replicated in-memory store: a dead rank's state comes back from its peers.
 
-Each active rank commits named arrays. They are packed into one payload, cut
-into chunks, and every chunk is copied to ``replication - 1`` other ranks (see
-``_placement``). A commit is two-phase: copies are staged, then a ULFM Agree
-vote (uniform: it succeeds everywhere or fails everywhere) makes the staged
-version current. A failure anywhere in a commit leaves the last agreed version
-on every survivor.
+Each active rank commits named arrays: a *payload* (a small JSON header naming
+the fields, then their bytes) cut into chunks. Every chunk is copied to
+``replication - 1`` other ranks, in contiguous *pieces* placed by arithmetic
+(``_placement``): no rank builds or exchanges a table of everybody's chunks.
 
-Memory: a rank holds its own committed payload plus the copies it keeps for
-others, about ``replication`` x its state; during a commit the staged version
-sits beside the current one, so at most ``2 x replication`` x state.
+A commit is two-phase and moves bytes once: the pieces leave straight from the
+caller's arrays (no packing copy first), each holder checksums what it
+received (XXH3, off the sender's path), then a ULFM vote (uniform: it succeeds
+everywhere or fails everywhere) makes the version current, and only then does
+each rank copy its arrays into its own roll-back payload, in the buffer of the
+version it retires. A failure anywhere in a commit leaves the last agreed
+version on every survivor.
+
+Recovery fetches each dead rank's payload once, from many holders, into the
+rank that takes it over (a replacement, or a survivor after a shrink), and
+goes on: copying the state again over the new world is left to the next
+commit. Until then a second failure of the same data is not survivable: the
+``store_recovered`` event says ``replicated: false`` and the next
+``committed`` event marks its end.
+
+Memory per rank, replication 2: the roll-back payload and the copies held for
+others (2x the state, beside the state itself: 3x) between commits; during a
+commit the new copies sit beside the old ones (4x).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import mmap
 import socket
 import time
 from typing import Any, Callable, Mapping
@@ -22,15 +37,20 @@ import numpy as np
 import xxhash
 from elastic.comm import ConfigError, ProcessFailure, World, agreed
 
-from ._placement import Chunk, DataLost, place_replicas, plan_transfers
+from ._placement import DataLost, Layout, Piece, pieces, plan
 
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
 Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
+_ALIGN = 64  # the header is padded so that the fields start aligned
+_HUGE = 4 << 20  # buffers from this size on are mapped in huge pages
+# A payload: one byte array (header, then the fields), or the same as a list of arrays (the header,
+# then each field where the caller keeps it: a store without a roll-back copy).
+Payload = np.ndarray | list[np.ndarray]
 
 
 def checksum(data: np.ndarray) -> int:
-    """A chunk's checksum: 64-bit XXH3, ~20 GB/s here (zlib's CRC32 ran at ~2.5 GB/s and was
-    a third of a commit's time)."""
+    """A chunk's checksum: 64-bit XXH3 (4-5 GB/s per rank here with 4 ranks on 2 cores; zlib's CRC32
+    was a third of a commit's time)."""
     return xxhash.xxh3_64_intdigest(data.data)
 
 
@@ -40,35 +60,40 @@ class _Field:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
+    offset: int           # in the payload
     nbytes: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _Meta:
-    """What one rank committed: its fields and the checksum of every chunk."""
+@dataclasses.dataclass
+class _Held:
+    """A piece of another rank's payload kept here, with the checksum of each of its chunks."""
 
-    fields: tuple[_Field, ...]
-    nbytes: int
-    sums: tuple[int, ...]
+    piece: Piece
+    data: np.ndarray
+    sums: list[int]
 
 
 @dataclasses.dataclass
 class _Version:
     number: int
-    ranks: tuple[int, ...]                    # logical ranks that committed it
-    metas: dict[int, _Meta]                   # by the committing (host) logical rank
-    placement: dict[Chunk, tuple[int, ...]]
-    payload: np.ndarray                       # this rank's own packed state
-    held: dict[Chunk, np.ndarray]             # copies kept for others (views into `received`)
-    received: np.ndarray | None = None        # the buffer the copies arrived in
+    layout: Layout                            # the ranks and domains it was committed over
+    nbytes: dict[int, int]                    # payload sizes this rank knows: its own, those it holds pieces of
+    payloads: dict[int, Payload]              # whole payloads here: its own, and any adopted since
+    held: dict[tuple[int, int, int], _Held]   # (owner, copy, first chunk) -> the piece kept for it
+    complete: bool = True                     # every piece the layout gives this rank is here
+    buffer: np.ndarray | None = None          # what the held pieces are views of
 
 
 class ReplicatedStore:
     """Replicates every active rank's state in its peers' memory. Create on every active rank."""
 
     def __init__(self, world: World, replication: int = 2, chunk_bytes: int = 1 << 20,
-                 domains: Mapping[int, str] | None = None) -> None:
+                 domains: Mapping[int, str] | None = None, rollback_copy: bool = True) -> None:
+        """``rollback_copy=False``: keep no copy of this rank's own committed state; the caller
+        promises to leave the committed arrays unchanged until the next commit (a double-buffered
+        simulation, a snapshot it made itself), and a commit then copies nothing locally and
+        receives into the buffer the retired version held (no fresh memory). With the default, the
+        arrays may change right after ``commit`` returns and ``restore`` gives the committed bytes."""
         if replication < 1:
             raise ConfigError(f"replication={replication}: need at least 1 (2 survives one failure)")
         if replication > world.size:
@@ -80,13 +105,13 @@ class ReplicatedStore:
         self.replication = replication
         self.chunk_bytes = chunk_bytes
         self._domains = dict(domains) if domains is not None else None
+        self.rollback_copy = rollback_copy
+        self._spare: np.ndarray | None = None  # rollback_copy=False: the retired version's copies' buffer
         self._current: _Version | None = None
-        # The retired version's buffers, reused by the next commit: fresh memory costs a page
-        # fault per 4 KiB, which made a cold commit several times slower than a warm one.
-        self._pool: list[np.ndarray] = []
+        self._layout: tuple[int, Layout] | None = None  # (generation, layout) of the active ranks
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
-        self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers), rereplicate
+        self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
 
     # ------------------------------------------------------------ user calls
     @property
@@ -97,32 +122,34 @@ class ReplicatedStore:
     def commit(self, state: Mapping[str, Any], version: int) -> None:
         """Replicate ``state`` (name -> array) as ``version`` (collective over the active ranks).
 
+        The arrays must not change until it returns (they are sent from where they lie).
+
         Raises:
             ProcessFailure: a rank died; the previous version stays current everywhere.
-            ConfigError: versions differ across ranks, or a value is not an array.
+            ConfigError: versions differ across ranks, or a value is not an array (on every rank).
         """
-        me = int(self.world.logical_rank)
-        self._commit({me: state}, version)
+        self._commit({int(self.world.logical_rank): state}, version)
 
     def restore(self) -> dict[str, np.ndarray]:
-        """This rank's own state at the last agreed version (local, copies)."""
+        """This rank's own state at the last agreed version (local; read-only views: copy to change)."""
         return self.restore_owner(int(self.world.logical_rank))
 
     def restore_owner(self, owner: int) -> dict[str, np.ndarray]:
-        """The state of logical rank ``owner`` held in this rank's payload (local, copies)."""
+        """The state of logical rank ``owner`` held whole here (local; read-only views)."""
         if self._current is None:
             raise ConfigError("nothing committed yet: call commit() before restore()")
-        meta = self._current.metas[int(self.world.logical_rank)]
-        out = {name: array.copy() for name, array in self._fields_of(self._current.payload, meta, owner).items()}
+        out: dict[str, np.ndarray] = {}
+        for payload in self._current.payloads.values():
+            out.update(_fields_of(payload, owner))
         if not out:
             raise ConfigError(f"logical rank {owner}'s state is not held here (held: {self.owners_here()})")
         return out
 
     def owners_here(self) -> list[int]:
-        """Logical ranks whose state this rank's payload holds (itself, plus adopted ones after a shrink)."""
+        """Logical ranks whose state this rank holds whole (itself, plus adopted ones after a shrink)."""
         if self._current is None:
             return []
-        return sorted({f.owner for f in self._current.metas[int(self.world.logical_rank)].fields})
+        return sorted({f.owner for payload in self._current.payloads.values() for f in _read_header(payload)})
 
     def recover(self, adopt: Adopt | None = None) -> bool:
         """Bring the dead ranks' state back from peers' memory (collective over the new active ranks).
@@ -133,9 +160,10 @@ class ReplicatedStore:
         receives its logical rank's state; after a shrink, the state of each
         removed logical rank goes to ``adopt[removed] -> surviving logical rank``
         (``adopt`` may also be a function of (removed, survivors) giving that
-        mapping, the same on every rank; default: round-robin over the survivors). Corrupted copies are detected
-        by checksum and fetched from another replica. Ends by re-replicating the
-        agreed version over the new world, so the next failure is survivable.
+        mapping, the same on every rank; default: round-robin over the
+        survivors). Each holder checks its copies by checksum before it sends; a
+        corrupted one is fetched from another holder. The copies are made again
+        over the new world by the next commit.
 
         Returns False (on every rank) when no version was ever committed: nothing to recover.
 
@@ -146,255 +174,290 @@ class ReplicatedStore:
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
-        held = world.allgather(self._current.number if self._current else None)
-        if all(v is None for v in held):
+        statuses = world.allgather(self._status())
+        numbers = {s[0] for s in statuses if s[0] is not None}
+        if not numbers:
             return False  # nothing was ever committed: nothing to recover
-        root = next(i for i, v in enumerate(held) if v is not None)
-        mine = self._current
-        number, ranks, metas, placement = world.bcast(
-            (mine.number, mine.ranks, mine.metas, mine.placement) if mine is not None and world.rank == root else None,
-            root=root)
-        version = _Version(number, ranks, metas, placement, np.empty(0, np.uint8), {})
-        holders = {r for r, v in zip(active, held) if v == number}
-        # Dead: committed the version but no live process holds it now (killed, replaced, or removed).
-        dead = set(ranks) - holders
-        survivors = sorted(holders)
-        removed = sorted(set(ranks) - set(active))
+        number = max(numbers)
+        root = next(i for i, s in enumerate(statuses) if s[0] == number)
+        layout = world.bcast(self._current.layout if world.rank == root and self._current else None, root=root)
+        whole = {o: r for r, s in zip(active, statuses) if s[0] == number for o in s[2]}
+        live = {r for r, s in zip(active, statuses) if s[0] == number and s[1]}
+        dead = sorted(o for o in layout.ranks if o not in whole)
+        survivors = sorted(set(active) & set(whole.values()))
+        removed = sorted(o for o in dead if o not in active)
         if adopt is None:
             adopt = {o: survivors[i % len(survivors)] for i, o in enumerate(removed)}
         elif callable(adopt):
             adopt = adopt(removed, survivors)
         receiver = {o: (o if o in active else int(adopt[o])) for o in dead}
-        mine_before = self._current if me in holders else None
+        known = world.allgather({o: n for o, n in (self._current.nbytes.items() if self._current else ())
+                                 if o in set(dead)})
+        nbytes = {o: n for part in known for o, n in part.items()}
         t0 = time.perf_counter()
-        chunks = self._fetch(version, dead, receiver)
-        t1 = time.perf_counter()
-        moved = self.bytes_moved
-        if set(active) == set(ranks):
-            # Substitution: the placement is unchanged, so only the copies the dead ranks held
-            # are missing; everyone else keeps the version as it is.
-            self._repair(version, dead, chunks)
-        else:
-            self._recommit(version, dead, receiver, chunks, mine_before)
-        self.bytes_moved += moved
-        self.last_recovery = {"fetch": t1 - t0, "rereplicate": time.perf_counter() - t1}
-        world.events.emit("store_recovered", version=version.number, dead=sorted(dead),
-                          bytes_moved=self.bytes_moved, durations=self.last_recovery)
+        fetched = self._fetch(layout, dead, nbytes, live, receiver, number)
+        self.last_recovery = {"fetch": time.perf_counter() - t0}
+        if me in fetched:  # a replacement: its own payload, and none of the copies it should hold yet
+            self._current = _Version(number, layout, {me: nbytes[me]}, {me: fetched.pop(me)}, {}, complete=False)
+        if self._current is not None:
+            self._current.payloads.update(fetched)  # adopted after a shrink
+            self._current.nbytes.update({o: nbytes[o] for o in fetched})
+        world.events.emit("store_recovered", version=number, dead=dead, bytes_moved=self.bytes_moved,
+                          durations=self.last_recovery, replicated=not dead)
         return True
 
-    # -------------------------------------------------------------- internals
-    def _repair(self, version: _Version, dead: set[int], chunks: Mapping[Chunk, np.ndarray]) -> None:
-        """Give each replacement its payload (fetched) and the copies it should hold (collective).
-
-        Every chunk it should hold comes from that chunk's owner, whose payload is
-        whole again by now; the vote installs the version on the replacements only.
-        """
-        me = int(self.world.logical_rank)
-        n_chunks = {o: len(m.sums) for o, m in version.metas.items()}
-        if me in dead:
-            payload = np.concatenate([chunks[(me, c)] for c in range(n_chunks[me])]) \
-                if n_chunks[me] else np.empty(0, np.uint8)
-        else:
-            assert self._current is not None  # a rank that is not a replacement held the version
-            payload = self._current.payload
-        outgoing: dict[int, list[np.ndarray]] = {}
-        for c in range(n_chunks[me]):
-            for holder in version.placement[(me, c)][1:]:
-                if holder in dead:
-                    outgoing.setdefault(holder, []).append(self._chunk(payload, c))
-        kept = {src: [c for c in range(n) if me in version.placement[(src, c)][1:]]
-                for src, n in n_chunks.items() if src != me} if me in dead else {}
-        incoming = {src: [self._chunk_size(version.metas[src].nbytes, c) for c in cs]
-                    for src, cs in kept.items() if cs}
+    # -------------------------------------------------------------- commit
+    def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int) -> None:
+        world = self.world
+        me = int(world.logical_rank)
+        t0 = time.perf_counter()
         try:
-            received, into = self._exchange(outgoing, incoming, version.number, point="restore", pooled=True)
+            segments, bad_input = _segments(contents), None
+        except ConfigError as exc:  # told to every rank below, so that no rank waits for this one
+            segments, bad_input = [], str(exc)
+        total = sum(s.nbytes for s in segments)
+        error: Exception | None = None
+        try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
+            self._check_together(version, bad_input)
+            layout = self._active_layout()
+            n_chunks = -(-total // self.chunk_bytes)
+            mine = pieces(layout, me, n_chunks, self.replication)
+            if len(layout.ranks) < self.replication and not self._said_reduced:
+                self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
+                world.events.emit("replication_reduced", replication=self.replication, ranks=len(layout.ranks))
+            # What goes to each holder, announced with the payload's size: O(pieces) per peer.
+            notes: dict[int, list] = {}
+            for p in mine:
+                notes.setdefault(world.current_rank_of(p.holder), []).append((p.copy, p.first, p.count, total))
+            told = world.alltoall(notes)
+            outgoing: dict[int, list[np.ndarray]] = {p.holder: [] for p in mine}
+            for p in mine:
+                outgoing[p.holder].extend(_slices(segments, *self._span(p.first, p.count, total)))
+            # The copies arrive, in current-rank order, in one buffer: a view of it per piece.
+            spans = [(int(world.logical_ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
+                     for r, got in enumerate(told) for copy, first, count, size in got or []]
+            buffer = self._receive_buffer(sum(span[-1] for span in spans))
+            held: dict[tuple[int, int, int], _Held] = {}
+            incoming: dict[int, list[np.ndarray]] = {}
+            sizes, offset = {me: total}, 0
+            for owner, copy, first, count, size, nbytes in spans:
+                data = buffer[offset:offset + nbytes]
+                offset += nbytes
+                held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me), data, [])
+                incoming.setdefault(owner, []).append(data)
+                sizes[owner] = size
+            t1 = time.perf_counter()
+            self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
+            t2 = time.perf_counter()
+            for h in held.values():  # the holder checks what it keeps, off the senders' path
+                h.sums = self._sums(h.data)
+            t3 = time.perf_counter()
+        except ProcessFailure as exc:
+            error = exc
+        # Phase two: the new copies become current only if every rank got this far.
+        self._vote(error is None)
+        t4 = time.perf_counter()
+        old = self._current
+        if self.rollback_copy:
+            payload: Payload = _pack(segments, total, old.payloads.get(me) if old else None)
+        else:
+            payload, self._spare = segments, old.buffer if old else None
+        self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
+        world.note_commit()
+        world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
+                          durations={"prepare": t1 - t0, "exchange": t2 - t1, "checksum": t3 - t2,
+                                     "vote": t4 - t3, "pack": time.perf_counter() - t4},
+                          payload_bytes=int(total), held_chunks=sum(len(h.sums) for h in held.values()),
+                          replicated=True)
+
+    def _check_together(self, version: int, bad_input: str | None) -> None:
+        """Refuse on every rank alike a commit some rank cannot make (collective; O(log n), no table)."""
+        world = self.world
+        if world.agree_equal(version, ok=bad_input is None):
+            return
+        # Rare: say who and why, the same words everywhere.
+        reports = world.allgather((version, bad_input))
+        ranks = [int(r) for r in world.logical_ranks]
+        problems = [f"logical rank {r}: {p}" for r, (_, p) in zip(ranks, reports) if p]
+        if problems:
+            raise agreed(ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems)), final=False)
+        raise agreed(ConfigError(f"commit version differs across ranks: {sorted({v for v, _ in reports})}; every "
+                                 "rank must commit the same version together"), final=False)
+
+    def _active_layout(self) -> Layout:
+        """The failure domains of the active ranks, built once per generation (collective the first time)."""
+        world = self.world
+        if self._layout is None or self._layout[0] != world.generation:
+            ranks = [int(r) for r in world.logical_ranks]
+            if self._domains is not None:
+                domain_of = {r: self._domains[r] for r in ranks}
+            elif world.config.domains:
+                names = world.config.domains
+                domain_of = {r: names[r % len(names)] for r in ranks}
+            else:
+                domain_of = dict(zip(ranks, world.allgather(socket.gethostname())))
+            self._layout = (world.generation, Layout.of(domain_of))
+        return self._layout[1]
+
+    # -------------------------------------------------------------- recovery
+    def _status(self) -> tuple[int | None, bool, tuple[int, ...]]:
+        """(version held, every copy the layout gives me is here, owners whose whole payload is here)."""
+        if self._current is None:
+            return None, False, ()
+        return self._current.number, self._current.complete, tuple(self.owners_here())
+
+    def _fetch(self, layout: Layout, dead: list[int], nbytes: Mapping[int, int], live: set[int],
+               receiver: Mapping[int, int], number: int) -> dict[int, np.ndarray]:
+        """Assemble every dead owner's payload at its receiver, from live holders (collective).
+
+        Each holder checks the pieces it is to send against their checksums
+        first; a corrupted piece is planned again from another holder.
+        """
+        world = self.world
+        me = int(world.logical_rank)
+        n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead}
+        bad: set[tuple[int, int, int]] = set()
+        while True:
+            try:
+                chosen = plan(layout, dead, n_chunks, self.replication, live, bad)
+            except DataLost as exc:  # the same on every rank: everyone planned from the same agreed data
+                world.events.emit("data_lost", lost=exc.lost)
+                raise agreed(exc) from None
+            corrupt = [(me, p.owner, p.first) for p in chosen.values() if p.holder == me and not self._intact(p)]
+            for _, owner, first in corrupt:
+                world.events.emit("corrupt_copy", owner=owner, chunk=first, holder=me)
+            reports = world.allgather(corrupt)
+            if not any(reports):
+                break
+            bad |= {(int(h), int(o), int(f)) for report in reports for h, o, f in report}
+        out = {o: _fresh(nbytes[o]) for o in dead if receiver[o] == me}
+        outgoing: dict[int, list[np.ndarray]] = {}
+        incoming: dict[int, list[np.ndarray]] = {}
+        for key in sorted(chosen):
+            p = chosen[key]
+            if p.holder == me:
+                outgoing.setdefault(receiver[p.owner], []).append(self._held(p).data)
+            if receiver[p.owner] == me:  # lands where it belongs in the payload: no second copy
+                start, size = self._span(p.first, p.count, nbytes[p.owner])
+                incoming.setdefault(p.holder, []).append(out[p.owner][start:start + size])
+        try:
+            self.bytes_moved = world.exchange(outgoing, incoming, point="restore")
             ok = True
         except ProcessFailure:
             ok = False
         self._vote(ok)
-        if me in dead:
-            held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
-            self._install(_Version(version.number, version.ranks, version.metas, version.placement,
-                                   payload, held, into))
+        world.events.emit("restored", chunks=sum(p.count for p in chosen.values() if receiver[p.owner] == me),
+                          bytes_in=int(sum(b.nbytes for b in out.values())), bytes_out=self.bytes_moved)
+        return out
 
-    def _recommit(self, version: _Version, dead: set[int], receiver: Mapping[int, int],
-                  chunks: Mapping[Chunk, np.ndarray], mine_before: _Version | None) -> None:
-        """After a shrink: commit the same version again over the new world, adopted state included."""
-        me = int(self.world.logical_rank)
-        # What each rank re-commits: what it had, plus what it received.
-        contents: dict[int, dict[str, np.ndarray]] = {}
-        if mine_before is not None:
-            for owner in {f.owner for f in mine_before.metas[me].fields}:
-                contents[owner] = self._fields_of(mine_before.payload, mine_before.metas[me], owner)
-        for host in sorted(dead):
-            if receiver[host] == me:
-                meta = version.metas[host]
-                payload = np.concatenate([chunks[(host, c)] for c in range(len(meta.sums))]) \
-                    if meta.sums else np.empty(0, np.uint8)
-                for owner in {f.owner for f in meta.fields}:
-                    contents[owner] = self._fields_of(payload, meta, owner)
-        self._commit(contents, version.number)
+    def _held(self, p: Piece) -> _Held:
+        assert self._current is not None
+        return self._current.held[(p.owner, p.copy, p.first)]
 
-    @staticmethod
-    def _fields_of(payload: np.ndarray, meta: _Meta, owner: int) -> dict[str, np.ndarray]:
-        return {f.name: payload[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
-                for f in meta.fields if f.owner == owner}
+    def _intact(self, p: Piece) -> bool:
+        held = self._held(p)
+        return self._sums(held.data) == held.sums
 
-    def _domain_map(self, ranks: list[int]) -> dict[int, str]:
-        """Failure domain of each rank: given, configured (``ELASTIC_DOMAINS``), else its host (collective)."""
-        if self._domains is not None:
-            return {r: self._domains[r] for r in ranks}
-        names = self.world.config.domains
-        if names:
-            return {r: names[r % len(names)] for r in ranks}
-        return dict(zip(ranks, self.world.allgather(socket.gethostname())))
-
-    def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int) -> None:
-        world = self.world
-        me = int(world.logical_rank)
-        ranks = [int(r) for r in world.logical_ranks]
-        try:
-            t0 = time.perf_counter()
-            payload, meta = self._pack(contents)
-            bad_input = None
-        except ConfigError as exc:  # told to every rank below, so that no rank waits for this one
-            payload, meta, bad_input = np.empty(0, np.uint8), _Meta((), 0, ()), str(exc)
-        error: Exception | None = None
-        try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
-            metas_list = world.allgather((version, meta, bad_input))  # the same list everywhere, or a failure
-            problems = [f"logical rank {r}: {p}" for r, (_, _, p) in zip(ranks, metas_list) if p]
-            if problems:
-                raise agreed(ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems)), final=False)
-            versions = {v for v, _, _ in metas_list}
-            if len(versions) != 1:
-                raise agreed(ConfigError(f"commit version differs across ranks: {sorted(versions)}; every rank "
-                                         "must commit the same version together"), final=False)
-            metas = dict(zip(ranks, (m for _, m, _ in metas_list)))
-            domains = self._domain_map(ranks)
-            placement = place_replicas(ranks, domains, self.replication, {r: len(metas[r].sums) for r in ranks})
-            if len(ranks) < self.replication and not self._said_reduced:
-                self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
-                world.events.emit("replication_reduced", replication=self.replication, ranks=len(ranks))
-            outgoing: dict[int, list[np.ndarray]] = {}
-            for c in range(len(meta.sums)):
-                for holder in placement[(me, c)][1:]:
-                    outgoing.setdefault(holder, []).append(self._chunk(payload, c))
-            kept = {src: [c for c in range(len(metas[src].sums)) if me in placement[(src, c)][1:]]
-                    for src in ranks if src != me}
-            incoming = {src: [self._chunk_size(metas[src].nbytes, c) for c in cs] for src, cs in kept.items() if cs}
-            t1 = time.perf_counter()
-            received, into = self._exchange(outgoing, incoming, version, point="commit", pooled=True)
-            t2 = time.perf_counter()
-            held = {(src, c): data for src, cs in kept.items() if cs for c, data in zip(cs, received[src])}
-            staged = _Version(version, tuple(ranks), metas, placement, payload, held, into)
-        except ProcessFailure as exc:
-            error = exc
-        # Phase two: the staged copies become current only if every rank got this far.
-        self._vote(error is None)
-        t3 = time.perf_counter()
-        self._install(staged)
-        world.note_commit()
-        world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
-                          durations={"prepare": t1 - t0, "exchange": t2 - t1, "vote": t3 - t2},
-                          payload_bytes=int(payload.nbytes), held_chunks=len(held))
-
-    def _fetch(self, version: _Version, dead: set[int], receiver: Mapping[int, int]) -> dict[Chunk, np.ndarray]:
-        """Move every chunk of the dead ranks to its receiver, verified by checksum (collective)."""
-        world = self.world
-        me = int(world.logical_rank)
-        bad: dict[Chunk, set[int]] = {}
-        got: dict[Chunk, np.ndarray] = {}
-        pending = {chunk for chunk in version.placement if chunk[0] in dead}  # the same on every rank
-        while True:
-            placement = {chunk: tuple(h for h in holders if h not in bad.get(chunk, ()))
-                         for chunk, holders in version.placement.items()}
-            try:
-                plan = plan_transfers(placement, dead)
-            except DataLost as exc:  # the same on every rank: everyone planned from the same agreed data
-                world.events.emit("data_lost", lost=exc.lost)
-                raise agreed(exc) from None
-            plan = {chunk: sender for chunk, sender in plan.items() if chunk in pending}
-            outgoing: dict[int, list[np.ndarray]] = {}
-            order: dict[int, list[Chunk]] = {}
-            for chunk in sorted(plan):
-                sender, dest = plan[chunk], receiver[chunk[0]]
-                if sender == me and self._current is not None:
-                    outgoing.setdefault(dest, []).append(self._current.held[chunk])
-                if dest == me:
-                    order.setdefault(sender, []).append(chunk)
-            incoming = {src: [self._chunk_size(version.metas[o].nbytes, c) for o, c in chunks]
-                        for src, chunks in order.items()}
-            try:
-                received, _ = self._exchange(outgoing, incoming, version.number, point="restore")
-                failed = False
-            except ProcessFailure:
-                received, failed = {}, True
-            self._vote(not failed)
-            corrupt: list[Chunk] = []
-            for src, chunks in order.items():
-                for chunk, data in zip(chunks, received[src]):
-                    if checksum(data) == version.metas[chunk[0]].sums[chunk[1]]:
-                        got[chunk] = data
-                    else:
-                        corrupt.append(chunk)
-                        world.events.emit("corrupt_copy", owner=chunk[0], chunk=chunk[1], holder=src)
-            reports = world.allgather([(chunk, plan[chunk]) for chunk in corrupt])
-            if not any(reports):
-                world.events.emit("restored", chunks=len(got), bytes_in=int(sum(c.nbytes for c in got.values())),
-                                  bytes_out=self.bytes_moved)
-                return got
-            pending = set()
-            for report in reports:  # fetch corrupted chunks again, from another holder
-                for chunk, holder in report:
-                    bad.setdefault(tuple(chunk), set()).add(holder)
-                    pending.add(tuple(chunk))
+    # -------------------------------------------------------------- moving bytes
+    def _receive_buffer(self, nbytes: int) -> np.ndarray:
+        """Where a commit's copies land: the retired version's buffer when it fits, else fresh memory."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.nbytes == nbytes:
+            return spare
+        return _fresh(nbytes)
 
     def _vote(self, ok: bool) -> None:
         """Uniform decision over the active ranks: returns on all or raises ProcessFailure on all."""
         self.world.vote(ok, "a rank could not finish its part of the transfer")
 
-    def _exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[int]],
-                  step: int | None, point: str, pooled: bool = False) -> tuple[dict[int, list[np.ndarray]], np.ndarray]:
-        """Chunks to and from peers by logical rank (collective, ``World.exchange``); they arrive in a
-        pooled buffer when ``pooled``. Records the bytes this rank sent."""
-        buffer = self._buffer if pooled else (lambda n: np.empty(n, np.uint8))
-        received, into, self.bytes_moved = self.world.exchange(outgoing, incoming, buffer, point,
-                                                                step if point == "commit" else None)
-        return received, into
+    def _span(self, first: int, count: int, total: int) -> tuple[int, int]:
+        """(byte offset, size) of chunks [first, first + count) in a payload of ``total`` bytes."""
+        start = first * self.chunk_bytes
+        return start, min(total, (first + count) * self.chunk_bytes) - start
 
-    def _pack(self, contents: Mapping[int, Mapping[str, Any]]) -> tuple[np.ndarray, _Meta]:
-        """Copy the state into one payload (a reused buffer where one fits) and checksum its chunks."""
-        fields, parts, offset = [], [], 0
-        for owner in sorted(contents):
-            for name in sorted(contents[owner]):
-                array = _as_array(contents[owner][name], name)
-                fields.append(_Field(owner, name, array.dtype.str, tuple(array.shape), offset, array.nbytes))
-                parts.append(array)
-                offset += array.nbytes
-        payload = self._buffer(offset)
-        for field, array in zip(fields, parts):
-            payload[field.offset:field.offset + field.nbytes].view(array.dtype).reshape(array.shape)[...] = array
-        n_chunks = -(-payload.nbytes // self.chunk_bytes)
-        sums = tuple(checksum(self._chunk(payload, c)) for c in range(n_chunks))
-        return payload, _Meta(tuple(fields), payload.nbytes, sums)
+    def _sums(self, data: np.ndarray) -> list[int]:
+        return [checksum(data[i:i + self.chunk_bytes]) for i in range(0, data.nbytes, self.chunk_bytes)]
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        """A byte buffer of ``nbytes``: a pooled one of exactly that size, else fresh memory (local)."""
-        for i, buf in enumerate(self._pool):
-            if buf.nbytes == nbytes:
-                return self._pool.pop(i)
+
+# ------------------------------------------------------------------ payloads
+def _segments(contents: Mapping[int, Mapping[str, Any]]) -> list[np.ndarray]:
+    """The payload as a list of byte arrays: the header (naming the fields), then each field where it lies."""
+    items = [(owner, name, _as_array(contents[owner][name], name)) for owner in sorted(contents)
+             for name in sorted(contents[owner])]
+    fields, offset = [], 0
+    for owner, name, array in items:
+        fields.append(_Field(owner, name, array.dtype.str, tuple(array.shape), offset, array.nbytes))
+        offset += array.nbytes
+    return [_header(fields)] + [a.reshape(-1).view(np.uint8) for _, _, a in items]
+
+
+def _header(fields: list[_Field]) -> np.ndarray:
+    """8 bytes of length, then the fields as JSON (never pickle: payloads come back from peers), padded."""
+    text = json.dumps([[f.owner, f.name, f.dtype, list(f.shape), f.offset, f.nbytes] for f in fields]).encode()
+    size = -(-(8 + len(text)) // _ALIGN) * _ALIGN
+    header = np.zeros(size, np.uint8)
+    header[:8] = np.frombuffer(len(text).to_bytes(8, "little"), np.uint8)
+    header[8:8 + len(text)] = np.frombuffer(text, np.uint8)
+    return header
+
+
+def _read_header(payload: Payload) -> list[_Field]:
+    if isinstance(payload, list):
+        payload = payload[0]
+    if payload.nbytes < 8:
+        return []
+    length = int.from_bytes(payload[:8].tobytes(), "little")
+    size = -(-(8 + length) // _ALIGN) * _ALIGN
+    return [_Field(o, n, d, tuple(s), off + size, nb)
+            for o, n, d, s, off, nb in json.loads(payload[8:8 + length].tobytes())]
+
+
+def _fields_of(payload: Payload, owner: int) -> dict[str, np.ndarray]:
+    out = {}
+    for i, f in enumerate(_read_header(payload)):
+        if f.owner == owner:
+            data = payload[i + 1] if isinstance(payload, list) else payload[f.offset:f.offset + f.nbytes]
+            view = data.view(f.dtype).reshape(f.shape)
+            view.flags.writeable = False
+            out[f.name] = view
+    return out
+
+
+def _slices(segments: list[np.ndarray], start: int, size: int) -> list[np.ndarray]:
+    """The parts of the segments that make up bytes [start, start + size) of their concatenation."""
+    out, offset = [], 0
+    for seg in segments:
+        lo, hi = max(start, offset), min(start + size, offset + seg.nbytes)
+        if lo < hi:
+            out.append(seg[lo - offset:hi - offset])
+        offset += seg.nbytes
+        if offset >= start + size:
+            break
+    return out
+
+
+def _pack(segments: list[np.ndarray], total: int, reuse: Payload | None) -> np.ndarray:
+    """Copy the segments into one payload: the roll-back copy, in the retired version's buffer if it fits."""
+    payload = reuse if isinstance(reuse, np.ndarray) and reuse.nbytes == total and reuse.flags.writeable else \
+        np.empty(total, np.uint8)
+    offset = 0
+    for seg in segments:
+        payload[offset:offset + seg.nbytes] = seg
+        offset += seg.nbytes
+    return payload
+
+
+def _fresh(nbytes: int) -> np.ndarray:
+    """A byte buffer for copies to land in, in huge pages where the kernel gives them: receiving
+    into fresh 4 KiB pages took twice the time of the transfer itself."""
+    if nbytes < _HUGE:
         return np.empty(nbytes, np.uint8)
-
-    def _install(self, version: _Version) -> None:
-        """Make ``version`` current; the one it replaces lends its buffers to the next commit."""
-        old, self._current = self._current, version
-        self._pool = [] if old is None else [b for b in (old.payload, old.received) if b is not None and b.nbytes]
-
-    def _chunk(self, payload: np.ndarray, c: int) -> np.ndarray:
-        return payload[c * self.chunk_bytes:(c + 1) * self.chunk_bytes]
-
-    def _chunk_size(self, nbytes: int, c: int) -> int:
-        return min(self.chunk_bytes, nbytes - c * self.chunk_bytes)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # no transparent huge pages here: plain pages
+    return np.frombuffer(area, np.uint8)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
@@ -406,4 +469,4 @@ def _as_array(value: Any, name: str) -> np.ndarray:
     if array.dtype == object:
         raise ConfigError(f"state entry {name!r} is a {type(value).__name__}, not an array: "
                           "commit numpy arrays, torch tensors or cupy arrays (numbers as np.asarray(x))")
-    return array
+    return np.ascontiguousarray(array)  # sent from where it lies: one block per array

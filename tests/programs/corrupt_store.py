@@ -2,8 +2,8 @@
 
     CORRUPT_OWNER=1 CORRUPT_AT=5 python tests/programs/corrupt_store.py --replication 3
 
-Once version CORRUPT_AT is committed, logical rank 0 flips a byte in every copy
-it holds of logical rank CORRUPT_OWNER's chunks (a silent memory error): the
+Once version CORRUPT_AT is committed, logical rank 0 flips a byte in every piece
+it holds of logical rank CORRUPT_OWNER's payload (a silent memory error): the
 store must detect it by checksum and fetch those chunks from another holder.
 """
 from __future__ import annotations
@@ -24,11 +24,9 @@ _commit = ReplicatedStore.commit
 def commit(self: ReplicatedStore, state, version: int) -> None:
     _commit(self, state, version)
     if version == AT and self.world.logical_rank == 0:
-        held = self._current.held
-        for (owner, c), data in sorted(held.items()):
-            if owner == OWNER and data.nbytes:
-                held[(owner, c)] = data.copy()
-                held[(owner, c)][0] ^= 0xFF
+        for (owner, _, _), held in sorted(self._current.held.items()):
+            if owner == OWNER and held.data.nbytes:
+                held.data[0] ^= 0xFF  # in the store's own memory, as a bit flip would be
 
 
 ReplicatedStore.commit = commit  # type: ignore[method-assign]
