@@ -1,20 +1,32 @@
-"""Benchmark the replicated store against raw MPI and against the local disk, in the same run.
+"""Benchmark the replicated store: its planning at scale, and its bytes against raw MPI, side by side.
 
-    python scripts/bench_store.py --sizes 16 128 512 --ranks 4 8
+    python scripts/bench_store.py --plan --ranks 64 1024 4096 16384 --chunks 1024 [--json]
+    python scripts/bench_store.py --sizes 16 128 512 --ranks 4 8 [--json]
 
-For each (ranks, MB per rank) one job runs under mpiexec --with-ft ulfm with one
-spare. In it: a ring Sendrecv of the same bytes (raw MPI point-to-point
-bandwidth), memcpy bandwidth, 5 commits (replication 2: the first, cold, and the
-median of the last 3, warm), then
-logical rank 1 is SIGKILLed, the spare takes over and `store.recover` brings
-its state back from the peers ('fetch': the dead rank's bytes arrive and are
-verified; 'restore': fetch plus re-replication over the new world); rank 0 meanwhile also times numpy save (fsync)
-and load (page cache dropped for the file with posix_fadvise) of its own bytes.
+``--plan`` (one process, no MPI): for ``n`` ranks on hosts of 8 and ``--chunks``
+chunks per rank, the seconds one rank spends on placement for a commit (the
+failure domains, built once per generation, and its own pieces) and on the
+recovery plan for one dead rank and for one dead host of 8 ranks, and the
+busiest sender over the fair share (the lost chunks over the live ranks of the
+other hosts, rounded up: a chunk is not split).
+
+``--sizes``: for each (ranks, MB per rank) one job under mpiexec --with-ft ulfm
+with one spare. In it, side by side: a ring Sendrecv of the same bytes (raw
+point-to-point), memcpy, 5 commits (replication 2, 8 MB chunks; cold = the
+first, warm = the median of the last 3; with the store's roll-back copy, the
+default, and without it: ``--copy``), the memory each rank holds (RSS, and
+its high-water mark, over the state's size: the state itself counts as 1),
+then logical rank 1 is SIGKILLed and the spare takes over: kill -> the
+world rebuilt -> the state fetched from the peers -> rolled back in place on
+every rank ('down'), against the floor of ULFM (kill -> seen -> world rebuilt)
+plus the lost bytes at the measured point-to-point bandwidth.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import math
 import os
 import signal
 import statistics
@@ -28,12 +40,53 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from elastic.comm._events import read_events  # noqa: E402  (no MPI: the tool does not start it)
+CHUNK = 8 << 20
+PHASES = ("prepare", "exchange", "checksum", "vote", "pack")
+
+
+# ---------------------------------------------------------------------------- planning, one process
+def plan_row(n: int, chunks: int, replication: int) -> dict:
+    from elastic.recovery._placement import Layout, pieces, plan
+
+    domain_of = {r: f"host{r // 8}" for r in range(n)}
+    me = n // 2
+    t = time.perf_counter()
+    layout = Layout.of(domain_of)
+    pieces(layout, me, chunks, replication)
+    place = time.perf_counter() - t
+    row = {"ranks": n, "chunks": chunks, "replication": replication, "place_seconds": place}
+    worst = 0.0
+    for label, dead in (("rank", {me}), ("host", set(range(8, 16)))):
+        live = set(layout.ranks) - dead
+        t = time.perf_counter()
+        chosen = plan(layout, dead, {o: chunks for o in dead}, replication, live)
+        row[f"plan_{label}_seconds"] = time.perf_counter() - t
+        load: collections.Counter = collections.Counter()
+        for p in chosen.values():
+            load[p.holder] += p.count
+        dead_hosts = {layout.place[d][0] for d in dead}
+        senders = sum(1 for r in live if layout.place[r][0] not in dead_hosts)
+        fair = math.ceil(sum(load.values()) / senders)
+        row[f"busiest_{label}_over_fair"] = max(load.values()) / fair
+        worst = max(worst, row[f"busiest_{label}_over_fair"])
+    row["plan_seconds"] = max(row["plan_rank_seconds"], row["plan_host_seconds"])
+    row["busiest_over_fair"] = worst
+    return row
+
+
+# ---------------------------------------------------------------------------- bytes, under mpiexec
+def _memory() -> tuple[int, int]:
+    """(resident bytes now, their high-water mark) of this process."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
 
 
 def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
     """Seconds for a ring Sendrecv of ``buf`` (median of 3) and for a memcpy of it (collective)."""
     comm = world.comm
     recv = np.empty_like(buf)
+    recv[:] = 0  # touched: the bandwidth of the wire, not of page faults
     right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
     times = []
     for _ in range(3):
@@ -47,16 +100,21 @@ def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
     return {"p2p_s": statistics.median(times), "memcpy_s": time.perf_counter() - t}
 
 
-def worker(mb: int) -> int:
+def worker(mb: int, rollback_copy: bool) -> int:
     import elastic
     from mpi4py import MPI
     from elastic.recovery import ReplicatedStore
 
+    nbytes = mb << 20
+    base, _ = _memory()
+    # Allocated, and touched, before a spare parks in init(): a program builds its model first.
+    state = {"weights": np.zeros(nbytes // 8)}
     world = elastic.init()
     comm = world.comm
-    nbytes = mb << 20
-    state = {"weights": np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)}
-    store = ReplicatedStore(world, replication=2, chunk_bytes=8 << 20)
+    run_dir = Path(os.environ["ELASTIC_RUN_DIR"])
+    if world.role is not elastic.Role.RECOVERED:
+        state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
+    store = ReplicatedStore(world, replication=2, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
     out: dict[str, float] = {}
     if world.role is not elastic.Role.RECOVERED:
         out.update(raw_bandwidth(world, state["weights"]))
@@ -66,87 +124,132 @@ def worker(mb: int) -> int:
             t = time.perf_counter()
             store.commit(state, v + 1)
             times.append(time.perf_counter() - t)
-        # The first two commits touch fresh memory (page faults); from the third on the store
-        # reuses the retired version's buffers, as it does for the rest of a training run.
-        out["commit_cold_s"] = times[0]
-        out["commit_s"] = statistics.median(times[2:])
+        rss, peak = _memory()
+        out["commit_cold_s"], out["commit_s"] = times[0], statistics.median(times[2:])
+        out["steady_over_state"], out["peak_over_state"] = (rss - base) / nbytes, (peak - base) / nbytes
+        comm.Barrier()
         if world.logical_rank == 1:
+            (run_dir / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        if world.rank == 0:
-            with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DISK_DIR", ".")) as tmp:
-                path = os.path.join(tmp, "state.npy")
-                t = time.perf_counter()
-                with open(path, "wb") as f:
-                    np.save(f, state["weights"])
-                    f.flush()
-                    os.fsync(f.fileno())
-                out["disk_save_s"] = time.perf_counter() - t
-                fd = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-                t = time.perf_counter()
-                np.load(path)
-                out["disk_load_s"] = time.perf_counter() - t
         try:
             with world.guard():
                 comm.Barrier()
             raise SystemExit("rank 1 was killed but the barrier completed")
         except elastic.ProcessFailure:
             pass
-        world.recover()
+        rebuild = world.recover()
+        out["rebuild_s"] = rebuild.durations["total"]
     comm = world.comm
-    comm.Barrier()
-    t = time.perf_counter()
     store.recover()
-    restore_s = time.perf_counter() - t
-    restore_max = comm.allreduce(restore_s, op=MPI.MAX)
-    fetch_max = comm.allreduce(store.last_recovery["fetch"], op=MPI.MAX)
-    expected = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
-    ok = store.restore()["weights"].tobytes() == expected.tobytes()
+    mine = store.restore()["weights"]
+    state["weights"][...] = mine  # the roll-back, in place, as State.restore does
+    comm.Barrier()  # the next step can start
+    done = time.time()
+    ok = state["weights"].tobytes() == np.random.default_rng(int(world.logical_rank)).random(nbytes // 8).tobytes()
     all_ok = comm.allreduce(int(ok), op=MPI.MIN)
+    fetch = comm.allreduce(store.last_recovery["fetch"], op=MPI.MAX)
     results = comm.gather(out, root=0)
     if world.rank == 0:
         merged = {k: statistics.median(r[k] for r in results if k in r) for k in results[0]}
-        merged.update(restore_s=restore_max, fetch_s=fetch_max, restored_ok=bool(all_ok), mb=mb, ranks=world.size,
-                      recover_bytes=store.bytes_moved)
-        Path(os.environ["ELASTIC_RUN_DIR"], "bench.json").write_text(json.dumps(merged))
+        merged.update(fetch_s=fetch, restored_ok=bool(all_ok), mb=mb, ranks=world.size,
+                      down_s=done - float((run_dir / "killed_at").read_text()))
+        (run_dir / "bench.json").write_text(json.dumps(merged))
     world.finish()
     return 0
 
 
+def bytes_row(n: int, mb: int, rollback_copy: bool) -> dict | str:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", "1", "--timeout", "900",
+               "--run-dir", tmp, "--", sys.executable, __file__, "--worker", str(mb)]
+        cmd += [] if rollback_copy else ["--no-rollback-copy"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
+        bench = Path(tmp, "bench.json")
+        if not bench.exists():
+            return f"failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        r = json.loads(bench.read_text())
+        phases = _phases(tmp)
+        # ULFM's part: the kill seen by the survivors and the world rebuilt around it.
+        rebuilt = max(e["t"] for e in read_events(tmp) if e["event"] == "rebuilt")
+        r["rebuild_s"] = rebuilt - float(Path(tmp, "killed_at").read_text())
+    p2p_bw = (mb << 20) / r["p2p_s"]
+    floor = r["rebuild_s"] + (mb << 20) / p2p_bw
+    return {"ranks": n, "mb": mb, "rollback_copy": rollback_copy, "p2p_mb_s": mb / r["p2p_s"],
+            "memcpy_mb_s": mb / r["memcpy_s"],
+            "commit_cold_s": r["commit_cold_s"], "commit_s": r["commit_s"],
+            "commit_over_p2p": r["p2p_s"] / r["commit_s"],
+            "memory_over_state": r["steady_over_state"], "peak_over_state": r["peak_over_state"],
+            "rebuild_s": r["rebuild_s"], "fetch_s": r["fetch_s"], "down_s": r["down_s"], "floor_s": floor,
+            "down_over_floor": r["down_s"] / floor, "bitwise": r["restored_ok"], **phases}
+
+
+def _phases(run_dir: str) -> dict[str, float]:
+    """Median seconds of each phase of the warm commits (the last 3 of 5), over the ranks."""
+    by_rank: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in read_events(run_dir):
+        if e["event"] == "committed":
+            by_rank[e["logical"]].append(e["durations"])
+    warm = [d for commits in by_rank.values() for d in commits[2:5]]
+    return {f"commit_{k}_s": statistics.median(d[k] for d in warm) for k in (warm[0] if warm else {})}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", action="store_true", help="time placement and planning at scale, one process")
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 128, 512], help="MB per rank")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--ranks", type=int, nargs="+", default=None)
+    parser.add_argument("--chunks", type=int, default=1024, help="--plan: chunks per rank")
+    parser.add_argument("--replication", type=int, default=2, help="--plan: copies of each chunk")
     parser.add_argument("--max-total-mb", type=int, default=2048,
-                        help="skip combinations whose ranks x MB exceed this (memory: ~5x per rank here)")
+                        help="skip combinations whose ranks x MB exceed this (memory: ~4x per rank at a commit)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--copy", choices=("both", "yes", "no"), default="both",
+                        help="rows with the store's roll-back copy (the default store), without it, or both")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--no-rollback-copy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(args.worker)
-    print("replication 2, one spare; MB/s = MB per rank / seconds; 'commit/p2p' = commit bandwidth over "
-          "raw ring Sendrecv bandwidth; 'disk/restore' = numpy load from disk over in-memory restore time")
-    head = ("ranks", "MB/rank", "p2p MB/s", "memcpy MB/s", "cold commit", "commit s", "commit MB/s", "commit/p2p",
-            "fetch s", "restore s", "disk save s", "disk load s", "disk/fetch", "disk/restore", "bitwise")
-    print(" ".join(f"{h:>12}" for h in head), flush=True)
-    for n in args.ranks:
-        for mb in args.sizes:
-            if n * mb > args.max_total_mb:
-                print(f"{n:>12} {mb:>12}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", "1", "--timeout", "900",
-                       "--run-dir", tmp, "--", sys.executable, __file__, "--worker", str(mb)]
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
-                bench = Path(tmp, "bench.json")
-                if not bench.exists():
-                    print(f"{n:>12} {mb:>12}  failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
-                    continue
-                r = json.loads(bench.read_text())
-            row = (n, mb, mb / r["p2p_s"], mb / r["memcpy_s"], r["commit_cold_s"], r["commit_s"], mb / r["commit_s"],
-                   r["p2p_s"] / r["commit_s"], r["fetch_s"], r["restore_s"], r["disk_save_s"], r["disk_load_s"],
-                   r["disk_load_s"] / r["fetch_s"], r["disk_load_s"] / r["restore_s"], r["restored_ok"])
-            print(" ".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v!s:>12}" for v in row), flush=True)
+        return worker(args.worker, not args.no_rollback_copy)
+    if args.plan:
+        head = ("ranks", "chunks", "place s", "plan rank s", "plan host s", "busiest/fair rank", "busiest/fair host")
+        if not args.json:
+            print(f"replication {args.replication}, hosts of 8 ranks; seconds one rank spends; busiest sender over "
+                  "the fair share (lost chunks / live ranks of the other hosts, rounded up)")
+            print(" ".join(f"{h:>17}" for h in head), flush=True)
+        for n in args.ranks or [64, 1024, 4096, 16384]:
+            r = plan_row(n, args.chunks, args.replication)
+            if args.json:
+                print(json.dumps(r), flush=True)
+            else:
+                cells = (n, args.chunks, r["place_seconds"], r["plan_rank_seconds"], r["plan_host_seconds"],
+                         r["busiest_rank_over_fair"], r["busiest_host_over_fair"])
+                print(" ".join(f"{c:>17.4f}" if isinstance(c, float) else f"{c:>17}" for c in cells), flush=True)
+        return 0
+    head = ("ranks", "MB", "copy", "p2p MB/s", "memcpy MB/s", "cold commit", "commit s", "commit/p2p", "mem/state",
+            "peak/state", "rebuild s", "fetch s", "down s", "floor s", "down/floor", "bitwise")
+    if not args.json:
+        print("replication 2, 8 MB chunks, one spare; commit/p2p = raw ring Sendrecv time over commit time; "
+              "mem = RSS over the state (the state counts 1); down = kill -> rebuilt, fetched, rolled back; "
+              "floor = ULFM (kill -> seen -> world rebuilt) + lost MB at the p2p bandwidth")
+        print(" ".join(f"{h:>11}" for h in head), flush=True)
+    copies = {"both": (True, False), "yes": (True,), "no": (False,)}[args.copy]
+    for n, mb, copy in ((n, mb, c) for n in args.ranks or [4, 8] for mb in args.sizes for c in copies):
+        if n * mb > args.max_total_mb:
+            print(f"{n:>11} {mb:>11}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
+            continue
+        r = bytes_row(n, mb, copy)
+        if isinstance(r, str):
+            print(f"{n:>11} {mb:>11}  {r}", flush=True)
+        elif args.json:
+            print(json.dumps(r), flush=True)
+        else:
+            cells = [r[k] for k in ("ranks", "mb", "rollback_copy", "p2p_mb_s", "memcpy_mb_s", "commit_cold_s",
+                                    "commit_s", "commit_over_p2p", "memory_over_state", "peak_over_state", "rebuild_s",
+                                    "fetch_s", "down_s", "floor_s", "down_over_floor", "bitwise")]
+            print(" ".join(f"{c:>11.3f}" if isinstance(c, float) else f"{c!s:>11}" for c in cells), flush=True)
+            print(f"{'':>23}commit phases (s): " + ", ".join(
+                f"{k[7:-2]} {v:.3f}" for k, v in r.items() if k.startswith("commit_") and k[7:-2] in PHASES),
+                flush=True)
     return 0
 
 
