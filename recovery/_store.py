@@ -315,14 +315,19 @@ class ReplicatedStore:
         """
         world = self.world
         me = int(world.logical_rank)
-        n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead}
+        # A dead owner whose size no live rank knows had every holder die with it.
+        unknown = {o: [] for o in dead if o not in nbytes}
+        n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead if o in nbytes}
         bad: set[tuple[int, int, int]] = set()
         while True:
             try:
-                chosen = plan(layout, dead, n_chunks, self.replication, live, bad)
+                chosen = plan(layout, list(n_chunks), n_chunks, self.replication, live, bad)
+                if unknown:
+                    raise DataLost(unknown)
             except DataLost as exc:  # the same on every rank: everyone planned from the same agreed data
-                world.events.emit("data_lost", lost=exc.lost)
-                raise agreed(exc) from None
+                lost = DataLost({**unknown, **exc.lost})
+                world.events.emit("data_lost", lost=lost.lost)
+                raise agreed(lost) from None
             corrupt = [(me, p.owner, p.first) for p in chosen.values() if p.holder == me and not self._intact(p)]
             for _, owner, first in corrupt:
                 world.events.emit("corrupt_copy", owner=owner, chunk=first, holder=me)
