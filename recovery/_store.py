@@ -316,7 +316,7 @@ class ReplicatedStore:
         world = self.world
         me = int(world.logical_rank)
         # A dead owner whose size no live rank knows had every holder die with it.
-        unknown = {o: [] for o in dead if o not in nbytes}
+        unknown: dict[int, list[int]] = {o: [] for o in dead if o not in nbytes}
         n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead if o in nbytes}
         bad: set[tuple[int, int, int]] = set()
         while True:
