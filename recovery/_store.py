@@ -131,11 +131,12 @@ class ReplicatedStore:
         self._commit({int(self.world.logical_rank): state}, version)
 
     def restore(self) -> dict[str, np.ndarray]:
-        """This rank's own state at the last agreed version (local; read-only views: copy to change)."""
+        """This rank's own state at the last agreed version (local; read-only views, valid until
+        the next commit reuses their buffer: copy what you keep)."""
         return self.restore_owner(int(self.world.logical_rank))
 
     def restore_owner(self, owner: int) -> dict[str, np.ndarray]:
-        """The state of logical rank ``owner`` held whole here (local; read-only views)."""
+        """The state of logical rank ``owner`` held whole here (local; read-only views, as ``restore``)."""
         if self._current is None:
             raise ConfigError("nothing committed yet: call commit() before restore()")
         out: dict[str, np.ndarray] = {}
