@@ -7,7 +7,6 @@ back to the last commit. ``elastic.run`` calls the rest (``_recover``, ``sync``)
 """
 from __future__ import annotations
 
-import pickle
 import random
 import time
 from typing import Any, Iterator, Mapping
@@ -18,12 +17,32 @@ from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
+from . import _structure
+from ._structure import is_tensor as _is_tensor
+from ._structure import torch_kind as _torch_kind
+
 _PY_SCALARS = (bool, int, float, complex)
 PROGRESS_EVERY = 10  # steps between progress lines on rank 0
 
 
+def kind_of(name: str, value: Any) -> str:
+    """How a State value is stored (local): 'object' (anything with state_dict() and
+    load_state_dict(): a scheduler, a GradScaler, a sampler, a module), 'tree' (dicts, lists and
+    tuples of numbers, strings, arrays and tensors: a plain state_dict), else an array's kind.
+
+    Raises:
+        ConfigError: none of those, saying what to do.
+    """
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return "object"
+    if isinstance(value, (dict, list, tuple)):
+        _structure.split(value, f"state value {name!r}")  # refused here, when it is set, if it cannot be stored
+        return "tree"
+    return to_array(name, value)[1]
+
+
 def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
-    """A state value as an array and the kind to give back on restore (local).
+    """A number, numpy array or tensor as an array and the kind to give back on restore (local).
 
     Raises:
         ConfigError: the value is not a number, a numpy array or a torch tensor.
@@ -35,7 +54,8 @@ def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
     if _is_tensor(value):
         return _tensor_array(value), _torch_kind(value.dtype)
     raise ConfigError(f"state value {name!r} is a {type(value).__name__}: a State holds numbers, numpy arrays "
-                      "and torch tensors; convert it (np.asarray(...)) or keep it outside the State")
+                      "and torch tensors, objects with state_dict() and load_state_dict(), and dicts and lists of "
+                      "those; convert it (np.asarray(...)) or keep it outside the State")
 
 
 def from_array(array: np.ndarray, kind: str) -> Any:
@@ -85,15 +105,6 @@ class StepClock:
                       f"generation {world.generation}", flush=True)
 
 
-def _torch_kind(dtype: Any) -> str:
-    """'torch:float32' for torch.float32: how from_array knows to give a tensor back."""
-    return "torch:" + str(dtype).removeprefix("torch.")
-
-
-def _is_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
-
-
 def _tensor_array(tensor: Any) -> np.ndarray:
     """A CPU view of a tensor's bytes (no copy for contiguous CPU tensors; bfloat16 travels as int16)."""
     import torch
@@ -134,7 +145,7 @@ class State:
 
     # ------------------------------------------------------------ values
     def __setitem__(self, name: str, value: Any) -> None:
-        self._kinds[name] = to_array(name, value)[1]
+        self._kinds[name] = kind_of(name, value)
         self._values[name] = value
 
     def __getitem__(self, name: str) -> Any:
@@ -236,11 +247,31 @@ class State:
         return name in self._local or name.split(".", 1)[0] in self._local
 
     def _capture(self) -> dict[str, np.ndarray]:
-        return {name: to_array(name, value)[0] for name, value in self._values.items()}
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in self._values.items():
+            kind = self._kinds[name]
+            if kind == "object":
+                arrays.update(_split_value(name, value.state_dict()))
+            elif kind == "tree":
+                arrays.update(_split_value(name, value))
+            else:
+                arrays[name] = to_array(name, value)[0]
+        return arrays
 
     def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Take the values in ``arrays`` (read-only views of the store: copied, into the existing
         numpy arrays and tensors in place where the shape and type still fit)."""
+        arrays = dict(arrays)
+        for name in [k.removesuffix(_STRUCTURE) for k in arrays if k.endswith(_STRUCTURE)]:
+            kind = self._kinds.get(name)
+            if kind not in ("object", "tree"):
+                continue  # not held here (adopted from a removed rank): kept as plain arrays
+            mine = {k: arrays.pop(k) for k in [k for k in arrays if k.startswith(f"{name}.")]}
+            current = self._values[name]
+            if kind == "object":
+                current.load_state_dict(_join_value(name, mine, current.state_dict()))
+            else:
+                self._values[name] = _join_value(name, mine, current)
         for name, array in arrays.items():
             kind = self._kinds.setdefault(name, "numpy")
             current = self._values.get(name)
@@ -324,13 +355,10 @@ class TorchState(State):
                 for key, tensor in model.state_dict().items():
                     arrays[f"{pre}model.{key}"] = _tensor_array(tensor)
             if optimizer is not None:
-                tensors: dict[str, Any] = {}
-                arrays[f"{pre}optim.meta"] = _pickled(_strip_tensors(optimizer.state_dict(), "", tensors))
-                for path, tensor in tensors.items():
-                    arrays[f"{pre}optim.{path}"] = _tensor_array(tensor)
+                arrays.update(_split_value(f"{pre}optim", optimizer.state_dict()))
         arrays["rng.torch"] = torch.get_rng_state().numpy()
-        arrays["rng.numpy"] = _pickled(np.random.get_state())
-        arrays["rng.python"] = _pickled(random.getstate())
+        arrays.update(_split_value("rng.numpy", np.random.get_state()))
+        arrays.update(_split_value("rng.python", random.getstate()))
         return arrays
 
     def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -344,50 +372,41 @@ class TorchState(State):
             if model is not None and any(k.startswith(f"{pre}model.") for k in arrays):  # absent when all local
                 for key, tensor in model.state_dict().items():  # tensors that share the model's memory
                     _copy_into(tensor, arrays[f"{pre}model.{key}"])
-            if optimizer is not None and f"{pre}optim.meta" in arrays:
-                skeleton = pickle.loads(arrays[f"{pre}optim.meta"].tobytes())
-                current: dict[str, Any] = {}
-                _strip_tensors(optimizer.state_dict(), "", current)
-                optimizer.load_state_dict(_fill_tensors(skeleton, arrays, f"{pre}optim.", current))
+            if optimizer is not None and f"{pre}optim{_STRUCTURE}" in arrays:
+                optimizer.load_state_dict(_join_value(f"{pre}optim", arrays, optimizer.state_dict()))
         if "rng.torch" in arrays:
             torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"])))
-            np.random.set_state(pickle.loads(arrays["rng.numpy"].tobytes()))
-            random.setstate(pickle.loads(arrays["rng.python"].tobytes()))
+            np.random.set_state(_join_value("rng.numpy", arrays))
+            random.setstate(_join_value("rng.python", arrays))
 
 
-class _TensorRef:
-    """Where a tensor stood in an optimizer's state_dict, and its kind (dtype)."""
-
-    def __init__(self, path: str, kind: str) -> None:
-        self.path, self.kind = path, kind
+_STRUCTURE = ".__structure__"  # the name suffix of a structured value's JSON document
 
 
-def _strip_tensors(obj: Any, path: str, out: dict[str, Any]) -> Any:
-    if _is_tensor(obj):
-        out[path] = obj
-        return _TensorRef(path, _torch_kind(obj.dtype))
-    if isinstance(obj, dict):
-        return {k: _strip_tensors(v, f"{path}.{k}" if path else str(k), out) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip_tensors(v, f"{path}.{i}" if path else str(i), out) for i, v in enumerate(obj))
-    return obj
+def _split_value(name: str, tree: Any) -> dict[str, np.ndarray]:
+    """A nested value (a state_dict) as arrays: its structure as JSON under ``name.__structure__``,
+    each tensor or array under ``name.<path>`` (local)."""
+    doc, leaves = _structure.split(tree, f"state value {name!r}")
+    out = {f"{name}{_STRUCTURE}": doc}
+    for path, leaf in leaves.items():
+        out[f"{name}.{path}"] = _tensor_array(leaf) if _is_tensor(leaf) else leaf
+    return out
 
 
-def _fill_tensors(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str = "optim.",
-                  current: Mapping[str, Any] | None = None) -> Any:
-    """The skeleton with its tensors back: copied into ``current``'s tensor at the same path where it
-    still fits (the optimizer then keeps its own), else new."""
-    if isinstance(obj, _TensorRef):
-        array, have = arrays[f"{prefix}{obj.path}"], (current or {}).get(obj.path)
-        if have is not None and tuple(have.shape) == array.shape and _torch_kind(have.dtype) == obj.kind:
-            _copy_into(have, array)
-            return have
-        return from_array(array, obj.kind)
-    if isinstance(obj, dict):
-        return {k: _fill_tensors(v, arrays, prefix, current) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_tensors(v, arrays, prefix, current) for v in obj)
-    return obj
+def _join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None) -> Any:
+    """The inverse of ``_split_value``: each tensor or array copied into ``current``'s at the same
+    path where it still fits (an optimizer then keeps its own tensors), else new (local)."""
+    have = _structure.split(current, name)[1] if current is not None else {}
+
+    def leaf(path: str, kind: str) -> Any:
+        array, mine = arrays[f"{name}.{path}"], have.get(path)
+        if kind.startswith("torch:") and mine is not None and _is_tensor(mine) and \
+                tuple(mine.shape) == array.shape and _torch_kind(mine.dtype) == kind:
+            _copy_into(mine, array)
+            return mine
+        return from_array(array, kind)
+
+    return _structure.join(arrays[f"{name}{_STRUCTURE}"], leaf)
 
 
 def _copy_into(tensor: Any, array: np.ndarray) -> None:
@@ -402,7 +421,3 @@ def _copy_into(tensor: Any, array: np.ndarray) -> None:
         source = source.view(torch.bfloat16)
     with torch.no_grad():
         tensor.copy_(source.reshape(tensor.shape))
-
-
-def _pickled(obj: Any) -> np.ndarray:
-    return np.frombuffer(pickle.dumps(obj, protocol=4), dtype=np.uint8)

@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--commit-every", type=int, default=5)
+    parser.add_argument("--lr-step", type=int, default=0,
+                        help="decay the learning rate by 0.7 every N steps (a StepLR, stored in the State)")
     parser.add_argument("--replication", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -128,10 +130,12 @@ def main() -> int:
     args = parser.parse_args()
     x, y, model = setup(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # Stored like the model: after a roll-back it is where it was at the commit, not steps ahead.
+    extra = {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, args.lr_step, 0.7)} if args.lr_step else {}
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
-                               loss=float("nan"))
+                               loss=float("nan"), **extra)
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
     @elastic.run
@@ -140,10 +144,13 @@ def main() -> int:
             world.fault_point(state.step)
             optimizer.zero_grad()
             loss, samples = local_loss(world, model, x, y, batches, state.step, args)
+            lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
+            if args.lr_step:
+                state.scheduler.step()
             state.step += 1
             state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
-            state.record_step(state.step, loss, total=args.steps, samples=samples)
+            state.record_step(state.step, loss, total=args.steps, samples=samples, lr=lr)
             if state.step % args.commit_every == 0:
                 state.commit()
         return state.loss

@@ -85,6 +85,35 @@ def test_shrink_keeps_the_global_batches(tmp_path, reference):
     assert abs(job.result["final_loss"] - expected) <= 1e-5 * expected
 
 
+SCHEDULED = TRAIN + ("--lr-step", "4")  # a StepLR stored in the State like the model
+
+
+def assert_same_learning_rates(job, ref) -> None:
+    steps = final_steps(job.events)
+    assert sorted(steps) == sorted(ref["steps"])
+    for step, event in steps.items():
+        assert event["lr"] == ref["steps"][step]["lr"], step
+    assert len({e["lr"] for e in steps.values()}) >= 5  # it did decay, more than once
+
+
+def test_a_stored_scheduler_keeps_the_learning_rate_after_a_shrink(tmp_path, reference):
+    # Steps 11-13 are redone after the roll-back: a scheduler left outside the State would be
+    # three decays ahead from there on.
+    ref = reference(SCHEDULED + NO_DROPOUT)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "3@13", program=SCHEDULED + NO_DROPOUT)
+    assert job.rc == 0, job.output
+    assert_same_learning_rates(job, ref)
+    expected = ref["result"]["final_loss"]
+    assert abs(job.result["final_loss"] - expected) <= 1e-5 * expected
+
+
+def test_a_stored_scheduler_with_a_spare_is_bitwise(tmp_path, reference):
+    ref = reference(SCHEDULED)
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@13", program=SCHEDULED)
+    assert_bitwise(job, ref, "optimizer_sha256")
+    assert_same_learning_rates(job, ref)
+
+
 def test_zero1_lost_optimizer_shard_comes_back_bitwise(tmp_path, reference):
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@13", program=ZERO)
     assert_bitwise(job, reference(ZERO), "moments_sha256")

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic
-from elastic._state import _fill_tensors, _strip_tensors, from_array, to_array
+from elastic import _structure
+from elastic._state import _join_value, _split_value, from_array, kind_of, to_array
 from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
 from elastic.report import ettr, timeline
@@ -84,6 +85,9 @@ def test_state_values_round_trip_bit_for_bit(value):
 def test_unsupported_state_values_say_what_to_do(value):
     with pytest.raises(elastic.ConfigError, match="holds numbers, numpy arrays and torch tensors"):
         to_array("bad", value)
+    if not isinstance(value, (list, dict)):  # dicts and lists are stored as structures
+        with pytest.raises(elastic.ConfigError, match="objects with state_dict"):
+            kind_of("bad", value)
 
 
 def test_optimizer_state_survives_the_tensor_split():
@@ -91,14 +95,84 @@ def test_optimizer_state_survives_the_tensor_split():
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    tensors: dict = {}
-    skeleton = _strip_tensors(opt.state_dict(), "", tensors)
-    arrays = {f"optim.{path}": to_array(path, t)[0].copy() for path, t in tensors.items()}
-    rebuilt = _fill_tensors(skeleton, arrays)
+    arrays = {k: np.array(v) for k, v in _split_value("optim", opt.state_dict()).items()}
+    rebuilt = _join_value("optim", arrays)
     fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
     fresh.load_state_dict(rebuilt)
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(fresh.state_dict()["state"][0][key], opt.state_dict()["state"][0][key])
+
+
+def _stateful_objects(steps: int = 3):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** steps)
+    return {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+
+
+@pytest.mark.parametrize("name", ["model", "optimizer", "scheduler", "scaler"])
+def test_objects_with_a_state_dict_round_trip_through_json_and_arrays(name):
+    original = _stateful_objects()[name]
+    assert kind_of(name, original) == "object"
+    arrays = {k: np.array(v) for k, v in _split_value(name, original.state_dict()).items()}
+    fresh = _stateful_objects(steps=5)[name]  # differs in every value the restore must bring back
+    assert _digest(fresh.state_dict()) != _digest(original.state_dict())
+    fresh.load_state_dict(_join_value(name, arrays, fresh.state_dict()))
+    assert _digest(fresh.state_dict()) == _digest(original.state_dict())
+
+
+def _digest(tree) -> str:
+    doc, leaves = _structure.split(tree, "x")
+    return doc.tobytes().hex() + "".join(np.asarray(v).tobytes().hex() for v in leaves.values())
+
+
+def test_rng_states_and_plain_state_dicts_round_trip():
+    for value in (np.random.get_state(), __import__("random").getstate(),
+                  {"a": [1, 2.5, None, "x", (3, float("inf"))], 7: torch.arange(4), "n": np.float32(2.5)}):
+        arrays = {k: np.array(v) for k, v in _split_value("v", value).items()}
+        back = _join_value("v", arrays)
+        assert _digest(back) == _digest(value)
+        assert type(back) is type(value)
+
+
+def test_a_structure_refuses_what_it_cannot_carry_naming_where():
+    with pytest.raises(elastic.ConfigError, match=r"state value 'bad'.*a\.1 is a object"):
+        kind_of("bad", {"a": [1, object()]})
+    with pytest.raises(elastic.ConfigError, match="keys are str or int"):
+        kind_of("bad", {(1, 2): 3})
+
+
+@pytest.mark.parametrize("document", [b'{"schema":1,"value":{"call":"os.system"}}', b'{"schema":2,"value":1}',
+                                      b"\x80\x04K\x01.", b'{"schema":1,"value":{"scalar":"|O","v":1}}'])
+def test_a_foreign_structure_builds_nothing(document):
+    with pytest.raises(elastic.ConfigError, match="not one this version wrote"):
+        _structure.join(np.frombuffer(document, np.uint8), lambda path, kind: None)
+
+
+def test_no_restore_path_unpickles(monkeypatch):
+    """Everything a peer sends back is JSON and arrays: restoring a TorchState with a model, an
+    optimizer, a scheduler and RNG states never calls pickle."""
+    import pickle
+
+    class _World:  # what State needs without MPI: a size for the store's checks
+        size, rank, logical_rank = 2, 0, 0
+
+    objects = _stateful_objects()
+    state = elastic.TorchState(_World(), model=objects["model"], optimizer=objects["optimizer"],
+                               scheduler=objects["scheduler"], scaler=objects["scaler"], step=3)
+    arrays = {k: np.array(v) for k, v in state._capture().items()}
+    before = _digest({k: v for k, v in arrays.items()})
+    objects["scheduler"].step()
+    np.random.random()
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads in a restore path"))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load in a restore path"))
+    state._apply(arrays)
+    assert _digest(state._capture()) == before
 
 
 # ------------------------------------------------------------------ batches
