@@ -164,7 +164,9 @@ class ReplicatedStore:
         mapping, the same on every rank; default: round-robin over the
         survivors). Each holder checks its copies by checksum before it sends; a
         corrupted one is fetched from another holder. The copies are made again
-        over the new world by the next commit.
+        over the new world by the next commit. An adopted state is held here
+        until this rank's next commit replaces it: commit it with your own to
+        keep it (``State`` does).
 
         Returns False (on every rank) when no version was ever committed: nothing to recover.
 
