@@ -64,6 +64,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     if role is Role.SPARE:
         _spares.park(world)
     else:
+        world.export_env()
         world.watchdog.watch_progress(True)
     return world
 

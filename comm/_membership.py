@@ -37,6 +37,12 @@ class Members:
         """The active logical ranks, in current-rank order (ascending)."""
         return tuple(LogicalRank(e) for e in sorted(e for e in self.table if e != SPARE))
 
+    def host_peers(self) -> list[int]:
+        """The active logical ranks on this process's host, ascending (from the processes' hostnames)."""
+        me = self.procs[self.comm.Get_rank()]
+        return sorted(e for e, p in zip(self.table, self.procs)
+                      if e != SPARE and p is not None and me is not None and p[0] == me[0])
+
     def mine(self) -> int:
         """This process's table entry (a logical rank, or ``SPARE``)."""
         return self.table[self.comm.Get_rank()]

@@ -132,7 +132,7 @@ class Rebuilder:
         world.events.emit("rebuilt", mode=result.mode, failed=result.failed, replaced=result.replaced,
                           removed=result.removed, lost_spares=result.lost_spares, attempts=result.attempts,
                           size=world.members.actives(), durations=self.durations, causes=list(result.causes),
-                          streak=result.streak)
+                          streak=result.streak, local=None if mine == SPARE else [world.local_rank, world.local_size])
         if mine != SPARE:
             world.progress()
         self._stop_a_repeated_error(result)

@@ -12,6 +12,7 @@ it ends ``_lifecycle``'s.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator, Mapping, cast
 
 import numpy as np
@@ -80,6 +81,16 @@ class World:
     def logical_ranks(self) -> tuple[LogicalRank, ...]:
         """The active logical ranks, in current-rank order (ascending)."""
         return self.members.logical_ranks()
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among the active ranks on its host, by logical rank (follows rebuilds)."""
+        return self.members.host_peers().index(int(self.logical_rank))
+
+    @property
+    def local_size(self) -> int:
+        """How many active ranks share this rank's host."""
+        return len(self.members.host_peers())
 
     @property
     def spares(self) -> int:
@@ -251,7 +262,16 @@ class World:
     # ------------------------------------------------------------ internals
     def rebuild(self, join: bool, outlook: Outlook | None = None) -> Rebuild:
         with self.watchdog.waiting():  # a rebuild waits for every live process
-            return Rebuilder(self, outlook or Outlook()).run(self.members.copy(), join)
+            done = Rebuilder(self, outlook or Outlook()).run(self.members.copy(), join)
+        self.export_env()
+        return done
+
+    def export_env(self) -> None:
+        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them (current ranks), for
+        libraries that read them; set at the join and after every rebuild (local; not on a spare)."""
+        if self.members.mine() != SPARE:
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.size), LOCAL_RANK=str(self.local_rank),
+                              LOCAL_WORLD_SIZE=str(self.local_size))
 
     def release_spares(self) -> None:
         _spares.release(self, self._released)

@@ -28,20 +28,20 @@ if TYPE_CHECKING:
     from elastic.comm import Rebuild, World
     from elastic.recovery import DataLost, Policy
 
-    from ._loop import GlobalBatches, allreduce_gradients, init, micro_batches, run
+    from ._loop import GlobalBatches, allreduce_gradients, device, init, micro_batches, run
     from ._state import State, StepClock, TorchState
 
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(globals(), {
     "init": "._loop", "run": "._loop", "allreduce_gradients": "._loop", "GlobalBatches": "._loop",
-    "micro_batches": "._loop", "State": "._state", "TorchState": "._state", "StepClock": "._state",
+    "micro_batches": "._loop", "device": "._loop", "State": "._state", "TorchState": "._state", "StepClock": "._state",
     "World": "elastic.comm", "Rebuild": "elastic.comm", "DataLost": "elastic.recovery", "Policy": "elastic.recovery",
 })
 
 __all__ = [
     "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy",
-    "StepClock",
+    "StepClock", "device",
     "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost", "agreed",
 ]

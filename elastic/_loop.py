@@ -176,3 +176,12 @@ def micro_batches(indices: np.ndarray, max_size: int | None) -> Iterable[np.ndar
         return
     for start in range(0, len(indices), max_size):
         yield indices[start:start + max_size]
+
+
+def device(world: World) -> Any:
+    """The torch device for this rank: ``cuda:<local rank % GPUs>`` where CUDA is present, else the
+    CPU (local). Ask again after a rebuild: a rank's place on its host can change."""
+    import torch
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

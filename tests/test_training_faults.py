@@ -76,6 +76,8 @@ def test_shrink_keeps_the_global_batches(tmp_path, reference):
     job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "3@13", program=TRAIN + NO_DROPOUT)
     assert job.rc == 0, job.output
     assert job.result["logical_ranks"] == [0, 1, 2]
+    # (local rank, ranks on the host) after the rebuild: one host here, three ranks left on it.
+    assert {e["logical"]: e["local"] for e in job.of("rebuilt")} == {0: [0, 3], 1: [1, 3], 2: [2, 3]}
     steps = final_steps(job.events)
     assert sorted(steps) == sorted(ref["steps"])
     for step, event in steps.items():  # the same samples, on 4 ranks before the failure and 3 after

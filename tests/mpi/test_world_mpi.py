@@ -31,6 +31,18 @@ def test_initial_world_maps_logical_to_current(world):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_local_rank_and_torchrun_variables(world):
+    import os
+
+    # One host here: Open MPI's own local numbering, and torchrun's variables, in current ranks.
+    assert world.local_rank == int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    assert world.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(world.rank), str(world.size))
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == (str(world.local_rank), str(world.local_size))
+    assert str(elastic.device(world)) == "cpu"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_allgather_over_the_active_comm(world):
     out = np.empty((world.size, 3))
     world.Allgather(np.full(3, float(world.rank)), out, step=0)
