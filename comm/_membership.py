@@ -39,9 +39,10 @@ class Members:
 
     def host_peers(self) -> list[int]:
         """The active logical ranks on this process's host, ascending (from the processes' hostnames)."""
-        me = self.procs[self.comm.Get_rank()]
-        return sorted(e for e, p in zip(self.table, self.procs)
-                      if e != SPARE and p is not None and me is not None and p[0] == me[0])
+        me, mine = self.procs[self.comm.Get_rank()], self.mine()
+        peers = {e for e, p in zip(self.table, self.procs) if e != SPARE and p is not None and me is not None
+                 and p[0] == me[0]}
+        return sorted(peers | ({mine} if mine != SPARE else set()))
 
     def mine(self) -> int:
         """This process's table entry (a logical rank, or ``SPARE``)."""
