@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from elastic.comm import Config, ConfigError, ProcessFailure, RebuildPolicy, Role, Unrecoverable, World, agreed
+from elastic.comm import Config, ConfigError, ProcessFailure, Rebuild, RebuildPolicy, Role, Unrecoverable, World, agreed
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
@@ -30,7 +30,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy)
 
 
-def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None) -> Any:
+def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,
+        on_reset: Callable[[World, Rebuild], None] | None = None) -> Any:
     """Decorate ``func(world, state, ...)`` so that it survives the loss of ranks.
 
     The contract, on every active rank: *sync* (everyone starts from the same
@@ -43,13 +44,18 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
     Args:
         max_failures: failures in a row without a successful commit before giving up
             (default: the configuration's, ``ELASTIC_MAX_FAILURES``, 3).
+        on_reset: ``on_reset(world, rebuild)``, called on every active rank after each
+            rebuild, restore and sync, before ``func`` is called again (a promoted spare or
+            spawned process too): rebuild what lives outside the State there (a DataLoader and
+            its iterator, a logger, a learning-rate scale for the new size). ``rebuild``
+            says how (``mode``, ``failed``, ``replaced``, ``removed``); ``world.size`` the new size.
 
     Raises:
         Unrecoverable: more failures than the policy or ``max_failures`` allow; the
             store's ``DataLost`` when every copy of some state died.
     """
     if func is None:
-        return functools.partial(run, max_failures=max_failures)
+        return functools.partial(run, max_failures=max_failures, on_reset=on_reset)
     if max_failures is not None and max_failures < 0:
         raise ConfigError(f"max_failures={max_failures}: give a whole number >= 0")
 
@@ -67,6 +73,8 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 state.sync()
                 if resumed and world.last_rebuild is not None:
                     world.events.emit("resumed", version=state.version, failures=world.last_rebuild.streak)
+                    if on_reset is not None:
+                        on_reset(world, world.last_rebuild)
                 try:
                     result = func(world, state, *args, **kwargs)
                 except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code

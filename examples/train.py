@@ -138,7 +138,12 @@ def main() -> int:
                                loss=float("nan"), **extra)
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
-    @elastic.run
+    def on_reset(world: elastic.World, rebuild: elastic.Rebuild) -> None:
+        """After a rebuild and the roll-back, before training goes on: what lives outside the State is
+        redone here (a DataLoader, a logger, a learning-rate scale). This program has nothing to redo."""
+        world.events.emit("reset_hook", mode=rebuild.mode, failed=sorted(map(int, rebuild.failed)), size=world.size)
+
+    @elastic.run(on_reset=on_reset)
     def train(world: elastic.World, state: elastic.TorchState) -> float:
         while state.step < args.steps:
             world.fault_point(state.step)

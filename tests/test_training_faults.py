@@ -34,6 +34,10 @@ def test_spare_substitute_is_bitwise_with_phases_recorded(tmp_path, reference):
     assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
     row = single_rebuild(job)
     assert (row["failed"], row["mode"], row["size"]) == ([1], "spare", 4)
+    # The reset hook ran once on each of the 4 active ranks, the promoted spare included.
+    hooks = job.of("reset_hook")
+    assert sorted(e["logical"] for e in hooks) == [0, 1, 2, 3]
+    assert {e["role"] for e in hooks} == {"survivor", "recovered"}
     assert "from parked spares" in row["reason"]
     assert all(row[k] is not None and row[k] >= 0 for k in ("detect", "agree", "rebuild", "restore", "resume"))
     assert row["redone"] == 3  # committed at step 10, the failure came after step 13
@@ -78,6 +82,10 @@ def test_shrink_keeps_the_global_batches(tmp_path, reference):
     assert job.result["logical_ranks"] == [0, 1, 2]
     # (local rank, ranks on the host) after the rebuild: one host here, three ranks left on it.
     assert {e["logical"]: e["local"] for e in job.of("rebuilt")} == {0: [0, 3], 1: [1, 3], 2: [2, 3]}
+    # The reset hook ran once on every survivor, told how the world changed.
+    hooks = job.of("reset_hook")
+    assert sorted(e["logical"] for e in hooks) == [0, 1, 2]
+    assert all((e["mode"], e["failed"], e["size"]) == ("shrink", [3], 3) for e in hooks)
     steps = final_steps(job.events)
     assert sorted(steps) == sorted(ref["steps"])
     for step, event in steps.items():  # the same samples, on 4 ranks before the failure and 3 after
