@@ -3,7 +3,9 @@
 One file per process (``events-<host>-<pid>.jsonl``) under the run directory,
 so that a dead rank's last line survives it. Timestamps are wall-clock
 seconds (``time.time()``) so that events of different processes on one host
-compare directly.
+compare directly. Every event carries ``"v"``, the schema version
+(``SCHEMA``): 1 = the fields ``event``, ``t``, ``pid``, ``logical``, ``rank``,
+``gen``, ``role``, then the event's own.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+SCHEMA = 1
+_CONTEXT = ("event", "t", "v", "pid", "logical", "rank", "gen", "role")  # fields every event carries
 
 class EventLog:
     """Appends one JSON object per event; a no-op when no run directory is set."""
@@ -33,7 +37,7 @@ class EventLog:
         """Record one event (local, never communicates)."""
         if self._file is None:
             return
-        record = {"event": event, "t": time.time(), "pid": os.getpid(), **self._context(), **fields}
+        record = {"event": event, "t": time.time(), "v": SCHEMA, "pid": os.getpid(), **self._context(), **fields}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
 
     def write_outcome(self, status: str, **fields: Any) -> None:
@@ -77,7 +81,7 @@ def read_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     results = [e for e in read_events(run_dir) if e["event"] == "result"]
     if not results:
         return None
-    return {k: v for k, v in results[-1].items() if k not in ("event", "t", "pid", "logical", "rank", "gen", "role")}
+    return {k: v for k, v in results[-1].items() if k not in _CONTEXT}
 
 
 def read_fates(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -229,7 +229,8 @@ class State:
         self._clock.restart()
 
     def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
-        """Note that a training step finished (local); see ``StepClock.step_done``."""
+        """Note that a training step finished (local); see ``StepClock.step_done``. ``loss`` is
+        recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first)."""
         self._world.progress(step)
         self._clock.step_done(step, loss, total, **metrics)
 

@@ -1,6 +1,6 @@
 """Turn a run's JSON-line events into a recovery timeline, the ETTR, and a loss plot.
 
-    python -m elastic.report RUN_DIR [--baseline FAILURE_FREE_RUN_DIR] [--plot loss.png]
+    python -m elastic.report RUN_DIR [--baseline FAILURE_FREE_RUN_DIR] [--plot loss.png] [--trace trace.json]
 
 Per failure (one row per rebuild generation), in milliseconds:
 
@@ -14,6 +14,11 @@ Per failure (one row per rebuild generation), in milliseconds:
 plus the steps redone (lost since the last commit) and the bytes moved.
 ETTR (effective training time ratio) = time spent in training steps that
 count toward the final model / wall time from start to finish.
+
+``--trace`` writes the run as a Chrome-trace JSON file (open it in
+https://ui.perfetto.dev or chrome://tracing): one track per process, spans for
+its steps, its commits (with their phases) and each recovery's detect /
+agree / rebuild / restore / resume, and instants for injections and deaths.
 """
 from __future__ import annotations
 
@@ -100,6 +105,55 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
+def trace(events: list[dict]) -> dict[str, Any]:
+    """The run as Chrome-trace JSON (the Trace Event Format: complete 'X' spans and 'i' instants,
+    microseconds from the first event), one process track per OS process."""
+    if not events:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    t0 = min(e["t"] for e in events)
+    us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
+    out: list[dict[str, Any]] = []
+    names: dict[int, str] = {}
+    last: dict[tuple[int, str], float] = {}  # (pid, event) -> its last time, to open the next span
+
+    def span(e: dict, name: str, start: float, end: float, cat: str, **args: Any) -> None:
+        if end >= start:
+            out.append({"name": name, "cat": cat, "ph": "X", "ts": us(start), "dur": round((end - start) * 1e6, 1),
+                        "pid": e.get("pid", 0), "tid": 0, "args": args})
+
+    for e in events:
+        pid, kind, t = e.get("pid", 0), e["event"], e["t"]
+        if e.get("logical") is not None:
+            names.setdefault(pid, f"logical rank {e['logical']} (pid {pid})")
+        if kind == "step":
+            span(e, f"step {e['step']}", t - e.get("seconds", 0.0), t, "step", loss=e.get("loss"), gen=e.get("gen"))
+        elif kind == "committed":
+            phases = e.get("durations", {})
+            start = t - sum(phases.values())
+            span(e, f"commit v{e.get('version')}", start, t, "commit", bytes_out=e.get("bytes_out"))
+            for phase, seconds in phases.items():
+                span(e, phase, start, start + seconds, "commit")
+                start += seconds
+        elif kind == "agreed" and (pid, "failure_seen") in last:
+            span(e, "agree", last[(pid, "failure_seen")], t, "recovery", failed=e.get("failed"))
+        elif kind == "rebuilt":
+            span(e, "rebuild", last.get((pid, "agreed"), t), t, "recovery", mode=e.get("mode"), size=e.get("size"))
+        elif kind == "state_restored" and (pid, "rebuilt") in last:
+            span(e, "restore", last[(pid, "rebuilt")], t, "recovery", bytes_moved=e.get("bytes_moved"))
+        elif kind == "resumed" and (pid, "state_restored") in last:
+            span(e, "resume", last[(pid, "state_restored")], t, "recovery")
+        elif kind == "failure_seen":
+            kills = [x["t"] for x in events if x["event"] == "inject" and x.get("gen") == e.get("gen") and x["t"] <= t]
+            span(e, "detect", max(kills) if kills else t, t, "recovery")
+        if kind in ("inject", "failure_seen", "started", "finished", "promoted", "spawned", "data_lost", "released"):
+            out.append({"name": kind, "cat": "event", "ph": "i", "s": "p", "ts": us(t), "pid": pid, "tid": 0,
+                        "args": {k: v for k, v in e.items() if k not in ("t", "event", "pid")}})
+        last[(pid, kind)] = t
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
+            for pid, name in sorted(names.items())]
+    return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
+
+
 def format_report(run_dir: Path, baseline: Path | None = None) -> str:
     events = read_events(run_dir)
     rows = timeline(events)
@@ -183,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="a failure-free run of the same job, for comparison")
     parser.add_argument("--plot", type=Path, help="write a PNG of the loss curves here (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the timeline rows as JSON instead")
+    parser.add_argument("--trace", type=Path, help="write a Chrome-trace / Perfetto timeline (JSON) here")
     args = parser.parse_args(argv)
     if not any(args.run_dir.glob("events-*.jsonl")):
         parser.error(f"{args.run_dir} holds no events-*.jsonl: give the --run-dir of a launched job")
@@ -194,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(args.run_dir, args.plot, args.baseline)
         print(f"plot written to {args.plot}")
+    if args.trace:
+        args.trace.write_text(json.dumps(trace(read_events(args.run_dir))))
+        print(f"trace written to {args.trace}: open it in https://ui.perfetto.dev")
     return 0
 
 

@@ -1,6 +1,8 @@
 """One-process tests of the training layer: policy decisions, state values, batches, the report."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from elastic import _structure
 from elastic._state import _join_value, _split_value, from_array, kind_of, to_array
 from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
-from elastic.report import ettr, timeline
+from elastic.report import ettr, timeline, trace
 
 
 # ------------------------------------------------------------------ policy
@@ -251,3 +253,25 @@ def test_report_writes_the_table_and_a_png(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "1 failure(s), ETTR 0.500 (failure-free run: ETTR 0.750)" in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_trace_is_chrome_trace_json_with_the_recovery_spans(tmp_path):
+    events = [{**e, "pid": 10, "logical": 0} for e in _events()]
+    events.insert(6, {"event": "agreed", "t": 4.6, "gen": 0, "pid": 10, "logical": 0, "failed": [1]})
+    events.append({"event": "resumed", "t": 5.1, "gen": 1, "pid": 10, "logical": 0})
+    events.sort(key=lambda e: e["t"])
+    doc = json.loads(json.dumps(trace(events)))  # what the file holds
+    assert doc["displayTimeUnit"] == "ms"
+    for e in doc["traceEvents"]:  # the Trace Event Format's fields, by phase
+        assert e["ph"] in ("X", "i", "M") and isinstance(e["name"], str) and e["pid"] == 10
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    spans = {e["name"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"step 1", "step 4", "detect", "agree", "rebuild", "restore", "resume"} <= set(spans)
+    assert spans["detect"]["ts"] == pytest.approx(4e6) and spans["detect"]["dur"] == pytest.approx(5e5)
+    assert spans["restore"]["dur"] == pytest.approx(2e5)
+    names = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    assert [e["args"]["name"] for e in names] == ["logical rank 0 (pid 10)"]
+

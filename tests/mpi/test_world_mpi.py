@@ -34,9 +34,10 @@ def test_initial_world_maps_logical_to_current(world):
 def test_local_rank_and_torchrun_variables(world):
     import os
 
-    # One host here: Open MPI's own local numbering, and torchrun's variables, in current ranks.
-    assert world.local_rank == int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
-    assert world.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    # One host here: every rank on it, numbered by logical rank (Open MPI's own local numbering
+    # follows its mapping, not the ranks), and torchrun's variables in current ranks.
+    assert world.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"]) == world.size
+    assert world.local_rank == int(world.logical_rank)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(world.rank), str(world.size))
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == (str(world.local_rank), str(world.local_size))
     assert str(elastic.device(world)) == "cpu"
