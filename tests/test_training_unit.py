@@ -202,6 +202,43 @@ def test_batches_walk_whole_epochs_across_batch_boundaries():
         elastic.GlobalBatches(4, 5)
 
 
+def _sampler(rank: int, size: int, step: int = 0):
+    from elastic.data import GlobalBatchSampler
+    return GlobalBatchSampler(_FakeWorld(rank, size), 50, 8, step=lambda: step, seed=4)
+
+
+def test_sampler_epochs_and_global_batches_at_any_world_size():
+    ref = _sampler(0, 1)
+    assert ref.steps_per_epoch == 6 and len(ref) == 6
+    epoch0 = np.concatenate([ref.batch(s) for s in range(6)])
+    epoch1 = np.concatenate([ref.batch(s) for s in range(6, 12)])
+    assert len(set(epoch0.tolist())) == 48 and len(set(epoch1.tolist())) == 48  # no sample twice in an epoch
+    assert not np.array_equal(epoch0, epoch1)  # reshuffled per epoch
+    for size in (1, 3, 4, 5):
+        for step in (0, 5, 7, 11):
+            shares = [_sampler(r, size).shard(step) for r in range(size)]
+            assert sum(shares, []) == ref.batch(step).tolist()
+
+
+def test_sampler_resumes_mid_epoch_after_a_roll_back_and_reshards_after_a_shrink():
+    # Four ranks ran steps 0-8, the commit was at step 7, then a rank died: three ranks go on from 7.
+    before = {r: list(_sampler(r, 4, step=0)) for r in range(4)}
+    after = {r: list(_sampler(r, 3, step=7)) for r in range(3)}
+    assert all(len(a) == 12 - 7 for a in after.values())  # to the end of epoch 1 (steps 7-11)
+    for i, step in enumerate(range(7, 12)):
+        assert sum((after[r][i] for r in range(3)), []) == _sampler(0, 1).batch(step).tolist()
+    for step in range(6):  # and the first epoch as four ranks saw it is the same global sequence
+        assert sum((before[r][step] for r in range(4)), []) == _sampler(0, 1).batch(step).tolist()
+
+
+def test_sampler_feeds_a_dataloader():
+    dataset = torch.utils.data.TensorDataset(torch.arange(50))
+    sampler = _sampler(1, 3, step=2)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    first = next(iter(loader))[0].tolist()
+    assert first == sampler.shard(2) and len(loader) == 4
+
+
 def test_micro_batches_cover_the_share():
     parts = list(elastic.micro_batches(np.arange(10), 4))
     assert [len(p) for p in parts] == [4, 4, 2] and np.array_equal(np.concatenate(parts), np.arange(10))

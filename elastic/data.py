@@ -1,0 +1,82 @@
+"""A torch DataLoader that follows the world: this rank's share of each global batch, by step.
+
+    sampler = elastic.data.GlobalBatchSampler(world, len(dataset), global_batch, step=lambda: state.step)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    while state.step < total_steps:
+        for x, y in loader:          # the rest of the current epoch, from the State's step
+            ...
+            state.step += 1
+
+Epochs have ``len(dataset) // global_batch`` steps (the last partial batch is
+dropped), each in the order of a permutation seeded by ``(seed, epoch)``:
+step ``s`` is batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``,
+cut over the ranks of the current world with ``np.array_split``. So the global
+batches, and their order, do not depend on the world size: after a shrink every
+step takes the same samples as before, each rank a larger share; after a
+roll-back iteration resumes mid-epoch at the restored step.
+
+Across a failure: ``elastic.run`` calls your function again, and iterating the
+DataLoader anew starts a new pass of the sampler at the restored step, so what
+the old iterator's workers had prefetched (``num_workers > 0``) is dropped
+with it; with ``persistent_workers=True`` the workers survive but their queue
+is still refilled from the new pass. Each new iterator draws its workers' base
+seed from torch's default generator, which ``TorchState`` rolls back with the
+rest; random transforms in workers are reproducible across a failure only when
+they are seeded from the sample or the step (a worker's seed depends on when
+the iterator was made).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch.utils.data
+
+from elastic.comm import ConfigError, World
+
+
+class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """This rank's share of each global batch, from the current step to the end of its epoch.
+
+    Args:
+        world: the resilient world (its current size and rank cut each batch).
+        num_samples: the data set's length.
+        global_batch: samples per step over all ranks, kept after a shrink.
+        step: gives the step to start from when iteration begins (``lambda: state.step``).
+        seed: the permutations' seed; the same on every rank.
+    """
+
+    def __init__(self, world: World, num_samples: int, global_batch: int, *, step: Callable[[], int],
+                 seed: int = 0) -> None:
+        if not 0 < global_batch <= num_samples:
+            raise ConfigError(f"global_batch={global_batch} with {num_samples} samples: "
+                              "need 0 < global_batch <= samples")
+        self.world, self.num_samples, self.global_batch, self.seed = world, num_samples, global_batch, seed
+        self.steps_per_epoch = num_samples // global_batch
+        self._step = step
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation), drawn once
+
+    def epoch_of(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of global step ``step``."""
+        return divmod(step, self.steps_per_epoch)
+
+    def batch(self, step: int) -> np.ndarray:
+        """The sample indices of global batch ``step``, over all ranks (local)."""
+        epoch, index = self.epoch_of(step)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return self._order[1][index * self.global_batch:(index + 1) * self.global_batch]
+
+    def shard(self, step: int) -> list[int]:
+        """This rank's part of global batch ``step`` in the current world (local)."""
+        return np.array_split(self.batch(step), self.world.size)[self.world.rank].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self._step()
+        end = (self.epoch_of(start)[0] + 1) * self.steps_per_epoch
+        for step in range(start, end):
+            yield self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
+
+    def __len__(self) -> int:
+        """The steps left in the current epoch."""
+        return self.steps_per_epoch - self.epoch_of(self._step())[1]
