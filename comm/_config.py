@@ -60,7 +60,8 @@ class Config:
         progress_timeout: seconds without progress before the sentinel kills a rank (0: never).
         term_grace: seconds a rank gets to leave after SIGTERM before its sentinel kills it.
         require_ulfm: refuse to start without ULFM (0: skip the check; the job then cannot
-            survive a failure).
+            survive a failure; None, the default: required, except in a single process started
+            without mpiexec, which runs as a world of 1 with a warning, for debugging).
     """
 
     spares: int = 0
@@ -76,7 +77,7 @@ class Config:
     hang_timeout: float = 10.0
     progress_timeout: float = 0.0
     term_grace: float = 5.0
-    require_ulfm: bool = True
+    require_ulfm: bool | None = None
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
@@ -135,7 +136,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "spares": int, "rebuild": _modes, "min_size": int, "multiple_of": int, "cost_model": _flag,
     "spawn_seconds": float, "max_failures": int, "run_dir": lambda t: t or None, "inject": parse_schedule,
     "domains": lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), "hang_timeout": float,
-    "progress_timeout": float, "term_grace": float, "require_ulfm": _flag,
+    "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",

@@ -41,7 +41,12 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
     if not MPI.Is_initialized():  # a tool module imported first told mpi4py not to initialize
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    check_ulfm(config.require_ulfm)
+    alone = _started_alone()
+    check_ulfm(config.require_ulfm if config.require_ulfm is not None else not alone)
+    if alone and not config.require_ulfm:
+        sys.stderr.write("[elastic] a single process without mpiexec: a world of 1 that cannot survive a "
+                         "failure (for debugging). Launch with `python -m elastic.launch -n N -- ...`; "
+                         "ELASTIC_REQUIRE_ULFM=1 makes this an error.\n")
     parent = MPI.Comm.Get_parent()
     if parent != MPI.COMM_NULL:
         return _join_as_spawned(parent)
@@ -55,6 +60,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     members = Members(universe, table, [None] * n)
     role = Role.SPARE if members.mine() == SPARE else Role.INITIAL
     world = World(members, config, policy or FixedOrder(config.rebuild, config.min_size), n - config.spares, 0, role)
+    world.alone = alone and not config.require_ulfm
     world.lifecycle.install()
     with mpi_errors(universe):
         world.comm = split_actives(members)
@@ -99,3 +105,9 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
     world.rebuild(join=True)
     world.watchdog.watch_progress(True)
     return world
+
+
+def _started_alone() -> bool:
+    """A single process that no MPI launcher started (`python train.py`): MPI's singleton mode."""
+    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"))
+    return not launched and MPI.COMM_WORLD.Get_size() == 1

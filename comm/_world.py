@@ -54,6 +54,7 @@ class World:
         self.lifecycle = Lifecycle(self)
         self._faults = FaultInjector(config.inject, self._announce_fault)
         self._released: set[int] = set()
+        self.alone = False  # a single process started without mpiexec (debugging): nothing survivable
 
     # ------------------------------------------------------------------ views
     @property

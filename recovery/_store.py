@@ -96,6 +96,8 @@ class ReplicatedStore:
         arrays may change right after ``commit`` returns and ``restore`` gives the committed bytes."""
         if replication < 1:
             raise ConfigError(f"replication={replication}: need at least 1 (2 survives one failure)")
+        if world.alone:
+            replication = 1  # a single process run for debugging: no peer to hold a copy
         if replication > world.size:
             raise ConfigError(f"replication={replication} with {world.size} active ranks: a state cannot have "
                               f"more copies than there are ranks to hold them; use at most {world.size}")

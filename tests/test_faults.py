@@ -125,3 +125,20 @@ def test_without_ulfm_the_job_says_what_to_run(tmp_path):
     assert proc.returncode != 0
     assert "mpiexec was run without `--with-ft ulfm`" in proc.stderr
     assert "UlfmUnavailable" in proc.stderr
+
+
+def test_a_single_process_without_mpiexec_runs_as_a_world_of_one():
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "OMPI_", "PMIX_"))}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "examples/train.py", "--steps", "12"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "a single process without mpiexec" in proc.stderr  # said once, with what to run instead
+    assert "done: 12 steps on 1 ranks" in proc.stdout
+    strict = subprocess.run([sys.executable, "examples/train.py", "--steps", "3"], capture_output=True, text=True,
+                            timeout=120, env={**env, "ELASTIC_REQUIRE_ULFM": "1"}, cwd=root)
+    assert strict.returncode != 0 and "UlfmUnavailable" in strict.stderr
+
