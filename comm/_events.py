@@ -128,7 +128,8 @@ def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) ->
     else:
         what = {"hung": f"hung (no heartbeat for {fate.get('seconds')} s), killed by its sentinel",
                 "no-progress": f"made no progress for {fate.get('seconds')} s, killed by its sentinel",
-                "deadline": "missed its join deadline (a spawn given up), killed by its sentinel",
+                "deadline": "missed a deadline (a spawned process's join, or the merge with it, never "
+                            "completed), killed by its sentinel",
                 "stuck-exiting": "hung while leaving (MPI_Finalize), killed by its sentinel",
                 "terminated": f"terminated by {fate.get('signal')}",
                 "exited": f"left with code {fate.get('code')}"}.get(end, end)

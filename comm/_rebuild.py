@@ -261,7 +261,13 @@ class Rebuilder:
             world.events.emit("spawn_failed", lost=logical, error=str(error) if error else "on another process")
             return False
         assert inter is not None
-        merged = inter.Merge(high=False)
+        # Open MPI's Merge can block for ever with both sides in it (seen once in 60 chaos runs, the
+        # child having printed "LAUNCHER JOB OBJECT NOT FOUND"): bounded, that ends the job, not hangs it.
+        world.watchdog.deadline(JOIN_SECONDS)
+        try:
+            merged = inter.Merge(high=False)
+        finally:
+            world.watchdog.deadline(None)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         # From here on the new processes are members: a failure now is one more round on `merged`.
         members.comm = merged

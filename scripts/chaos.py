@@ -14,8 +14,8 @@ and checks the outcome:
 * finished, with a spare or a spawned process: model and optimizer bitwise the
   failure-free run's; after a shrink: the loss within 1e-5 (relative);
 * ``DataLost`` on every process, when every holder of some chunk was among the
-  victims that died before their state was copied again (computed from the
-  store's own placement);
+  victims that died before the copies lost with the first of them were made
+  again by a commit (computed from the store's own placement);
 * anything else is a *mismatch*, and the launcher's timeout a *hang*.
 """
 from __future__ import annotations
@@ -120,14 +120,24 @@ def reference(replication: int, work: Path, cache: dict[int, dict]) -> dict:
 
 
 def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
-    """Whether every holder of some chunk is among the victims that died before their state was
-    copied again: those that fired before the first rebuild ended (generation 0), and those that
-    died sending recovery data. Victims that came after a completed recovery lose nothing."""
-    fired = [e for e in read_events(run_dir) if e["event"] == "inject" and e["point"] != "park"]
-    overlapping = {e["rank"] for e in fired if e["gen"] == 0 or e["point"] == "restore"}
+    """Whether every holder of some chunk is among victims that died before the copies lost with
+    the first of them were made again. A recovery moves a dead rank's state once; the copies it
+    held for others come back with the next commit after it (the store's exposure window), so
+    victims form one group until a commit completes in a later generation than theirs."""
+    events = read_events(run_dir)
+    fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park"), key=lambda e: e["t"])
+    commits = [(e["t"], e["gen"]) for e in events if e["event"] == "committed"]
+    groups: list[set[int]] = []
+    last: tuple[float, int] = (0.0, 0)  # (time, generation) of the previous victim
+    for e in fired:
+        if groups and not any(gen > last[1] and last[0] < t < e["t"] for t, gen in commits):
+            groups[-1].add(e["rank"])  # no commit re-made the copies in between: still exposed
+        else:
+            groups.append({e["rank"]})
+        last = (e["t"], e["gen"])
     placement = place_replicas(list(range(RANKS)), {r: "host" for r in range(RANKS)}, scenario.replication,
                                {r: chunks for r in range(RANKS)})
-    return any(set(holders) <= overlapping for holders in placement.values())
+    return any(set(holders) <= group for holders in placement.values() for group in groups)
 
 
 def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, str]:
