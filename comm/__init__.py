@@ -16,6 +16,7 @@ from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable,
 from ._events import EventLog, read_events, read_fates, read_outcomes, read_result
 from ._faults import InjectedFault, Injection, parse_schedule
 from ._lazy import lazy_exports
+from ._lifecycle import Lifecycle as _Lifecycle  # noqa: F401  (registers the exit path early: see there)
 from ._policy import Decision, FixedOrder, Outlook, RebuildContext, RebuildPolicy
 from ._ranks import CurrentRank, LogicalRank, Role
 

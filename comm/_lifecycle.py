@@ -9,7 +9,10 @@ Every end falls in one of two cases (see ``_errors``):
   the lowest live active rank releases the parked spares, again after every
   change, so a dead rank 0 cannot leave them waiting. Then ``MPI_Finalize`` if
   the job never saw a failure, else ``os._exit`` (``MPI_Finalize`` can hang
-  after failures, ompi #11404).
+  after failures, ompi #11404). This runs as an ``atexit`` handler registered
+  when ``elastic.comm`` is imported, so the program's own handlers registered
+  after that (a logger's flush, ``wandb``, ``SummaryWriter.close``) run first,
+  survivors of a failure included.
 * **alone** -- anything else: an exception in this process only, ``sys.exit``
   or the end of the program before ``finish()``. The error is written to the
   events and to this process's outcome, then the process kills itself with
@@ -19,6 +22,7 @@ Every end falls in one of two cases (see ``_errors``):
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -28,6 +32,14 @@ from ._errors import is_agreed, last_agreed
 
 if TYPE_CHECKING:
     from ._world import World
+
+_installed: list["Lifecycle"] = []
+
+
+@atexit.register  # at import: the program's own atexit handlers, registered later, run before this one
+def _leave_at_exit() -> None:
+    if _installed:
+        _installed[-1]._at_exit()
 
 
 class Lifecycle:
@@ -42,9 +54,8 @@ class Lifecycle:
         self._left = False
 
     def install(self) -> None:
-        import atexit
         import faulthandler
-        atexit.register(self._at_exit)
+        _installed.append(self)
         sys.excepthook = self._excepthook
         if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
             # The sentinel sends SIGUSR1 before killing a rank that made no progress: say where it was.

@@ -252,3 +252,13 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_the_programs_atexit_handlers_run_on_every_survivor(tmp_path):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12", program=("tests/programs/exit_hooks.py",))
+    assert job.rc == 0, job.output
+    finished = {o["pid"] for o in job.outcomes if o["status"] == "finished"}
+    assert len(finished) == 4  # three survivors and the promoted spare
+    ran = {int(p.name.split("-")[1]) for p in tmp_path.glob("run/atexit-*")}
+    assert ran == finished, (ran, finished)
+
