@@ -1,17 +1,15 @@
 """Shared helpers: run a job through the launcher with a hard timeout and read what every rank wrote."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from elastic.comm import read_events, read_fates, read_outcomes, read_result
+from elastic import testing
 from elastic.report import final_steps
+from elastic.testing import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
@@ -20,56 +18,11 @@ JOB_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
 collect_ignore = [] if "--with-mpi" in sys.argv else ["mpi"]
 
 
-@dataclass
-class Job:
-    rc: int
-    output: str
-    run_dir: Path
-
-    @property
-    def events(self) -> list[dict]:
-        return read_events(self.run_dir)
-
-    @property
-    def outcomes(self) -> list[dict]:
-        return read_outcomes(self.run_dir)
-
-    @property
-    def fates(self) -> list[dict]:
-        """How each process ended, as its sentinel saw it."""
-        return read_fates(self.run_dir)
-
-    @property
-    def summary(self) -> dict:
-        return json.loads((self.run_dir / "summary.json").read_text())
-
-    @property
-    def result(self) -> dict:
-        """What the program recorded as its result (``World.record_result``)."""
-        result = read_result(self.run_dir)
-        assert result is not None, f"the program recorded no result:\n{self.output[-3000:]}"
-        return result
-
-    @property
-    def has_result(self) -> bool:
-        return read_result(self.run_dir) is not None
-
-    def of(self, name: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == name]
-
-    def statuses(self) -> list[str]:
-        return sorted(o["status"] for o in self.outcomes)
-
-
 def launch(tmp_path: Path, n: int, *launcher_args: str, program: tuple[str, ...] = ("examples/jacobi.py",),
            env: dict[str, str] | None = None) -> Job:
-    """Run ``python -m elastic.launch -n N ... -- python PROGRAM`` with a timeout on both layers."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--timeout", str(JOB_TIMEOUT),
-           "--run-dir", str(run_dir), *launcher_args, "--", sys.executable, *program]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30,
-                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})})
-    return Job(proc.returncode, proc.stdout + proc.stderr, run_dir)
+    """Run ``python -m elastic.launch -n N ... -- python PROGRAM`` with a timeout on both layers
+    (``elastic.testing.launch``, the plugin users get, with this project's defaults)."""
+    return testing.launch(program, n, tmp_path / "run", launcher_args, timeout=JOB_TIMEOUT, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from conftest import JOB_TIMEOUT, ROOT, launch
 
 pytestmark = pytest.mark.fault
 
@@ -22,8 +22,10 @@ def survivors_agree(job, generation: int) -> dict:
     return rebuilt[0]
 
 
-def test_spare_replaces_killed_rank(tmp_path, reference_hash):
-    job = launch(tmp_path, 4, "--spares", "1", "--rebuild", "spare", "--inject", "1@10")
+def test_spare_replaces_killed_rank(elastic_launch, reference_hash):
+    # Through the pytest plugin that users get (elastic.testing), as a user's own fault test would.
+    job = elastic_launch(["examples/jacobi.py"], n=4, args=["--spares", "1", "--rebuild", "spare", "--inject", "1@10"],
+                         cwd=ROOT, timeout=JOB_TIMEOUT)
     assert job.rc == 0, job.output
     rebuild = survivors_agree(job, 1)
     assert (rebuild["mode"], rebuild["failed"], rebuild["replaced"]) == ("spare", [1], [1])

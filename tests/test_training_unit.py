@@ -162,7 +162,7 @@ def test_no_restore_path_unpickles(monkeypatch):
     import pickle
 
     class _World:  # what State needs without MPI: a size for the store's checks
-        size, rank, logical_rank = 2, 0, 0
+        size, rank, logical_rank, alone = 2, 0, 0, False
 
     objects = _stateful_objects()
     state = elastic.TorchState(_World(), model=objects["model"], optimizer=objects["optimizer"],
