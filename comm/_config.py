@@ -62,6 +62,9 @@ class Config:
         require_ulfm: refuse to start without ULFM (0: skip the check; the job then cannot
             survive a failure; None, the default: required, except in a single process started
             without mpiexec, which runs as a world of 1 with a warning, for debugging).
+        log_level: the ``elastic`` loggers' level (DEBUG also logs every event as it happens).
+        progress_every / progress_seconds: a progress line on rank 0 every that many steps
+            and/or seconds (0: not by that measure).
     """
 
     spares: int = 0
@@ -78,14 +81,19 @@ class Config:
     progress_timeout: float = 0.0
     term_grace: float = 5.0
     require_ulfm: bool | None = None
+    log_level: str = "INFO"
+    progress_every: int = 10
+    progress_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
         if not self.rebuild or bad or len(set(self.rebuild)) != len(self.rebuild):
             self._refuse("rebuild", f"give an ordered list drawn from {', '.join(MODES)} without repeats, "
                                     "e.g. 'spare,shrink' or 'spawn'")
+        if self.log_level not in LOG_LEVELS:
+            self._refuse("log_level", f"give one of {', '.join(LOG_LEVELS)}")
         for name in ("spares", "min_size", "multiple_of", "max_failures", "spawn_seconds", "hang_timeout",
-                     "progress_timeout", "term_grace"):
+                     "progress_timeout", "term_grace", "progress_every", "progress_seconds"):
             low = 1 if name in ("min_size", "multiple_of") else 0
             if getattr(self, name) < low:
                 self._refuse(name, _WHAT[name])
@@ -130,17 +138,21 @@ ENV = {
     "spawn_seconds": "ELASTIC_SPAWN_SECONDS", "max_failures": "ELASTIC_MAX_FAILURES",
     "run_dir": "ELASTIC_RUN_DIR", "inject": INJECT_ENV, "domains": "ELASTIC_DOMAINS",
     "hang_timeout": "ELASTIC_HANG_TIMEOUT", "progress_timeout": "ELASTIC_PROGRESS_TIMEOUT",
-    "term_grace": "ELASTIC_TERM_GRACE", "require_ulfm": "ELASTIC_REQUIRE_ULFM",
+    "term_grace": "ELASTIC_TERM_GRACE", "require_ulfm": "ELASTIC_REQUIRE_ULFM", "log_level": "ELASTIC_LOG_LEVEL",
+    "progress_every": "ELASTIC_PROGRESS_EVERY", "progress_seconds": "ELASTIC_PROGRESS_SECONDS",
 }
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _PARSE: dict[str, Callable[[str], Any]] = {
     "spares": int, "rebuild": _modes, "min_size": int, "multiple_of": int, "cost_model": _flag,
     "spawn_seconds": float, "max_failures": int, "run_dir": lambda t: t or None, "inject": parse_schedule,
     "domains": lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), "hang_timeout": float,
     "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
+    "log_level": lambda t: t.strip().upper(), "progress_every": int, "progress_seconds": float,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",
     "max_failures": "takes integers >= 0", "cost_model": "give 1 or 0", "require_ulfm": "give 1 or 0",
     "spawn_seconds": "takes seconds >= 0", "hang_timeout": "takes seconds >= 0 (0 turns it off)",
     "progress_timeout": "takes seconds >= 0 (0 turns it off)", "term_grace": "takes seconds >= 0",
+    "progress_every": "takes steps >= 0 (0: not by steps)", "progress_seconds": "takes seconds >= 0 (0: not by time)",
 }

@@ -10,6 +10,7 @@ compare directly. Every event carries ``"v"``, the schema version
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA = 1
+_LOG = logging.getLogger("elastic.events")  # at DEBUG (the launcher's --verbose) every event, as it happens
 _CONTEXT = ("event", "t", "v", "pid", "logical", "rank", "gen", "role")  # fields every event carries
 
 class EventLog:
@@ -35,10 +37,15 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> None:
         """Record one event (local, never communicates)."""
-        if self._file is None:
+        debug = _LOG.isEnabledFor(logging.DEBUG)
+        if self._file is None and not debug:
             return
         record = {"event": event, "t": time.time(), "v": SCHEMA, "pid": os.getpid(), **self._context(), **fields}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        line = json.dumps(record, default=_jsonable)
+        if self._file is not None:
+            self._file.write(line + "\n")
+        if debug:
+            _LOG.debug("[event] %s", line)
 
     def write_outcome(self, status: str, **fields: Any) -> None:
         """Write this process's final word (``outcome-<host>-<pid>.json``), read by the launcher."""

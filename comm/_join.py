@@ -1,6 +1,7 @@
 """How a process joins the world: launched with the job (``init``), or spawned as a replacement."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -9,7 +10,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import _spares
+from . import _log, _spares
 from ._config import Config
 from ._errors import ConfigError, mpi_errors
 from ._events import EventLog
@@ -41,12 +42,14 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
     if not MPI.Is_initialized():  # a tool module imported first told mpi4py not to initialize
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    _log.setup(config.log_level)
     alone = _started_alone()
     check_ulfm(config.require_ulfm if config.require_ulfm is not None else not alone)
     if alone and not config.require_ulfm:
-        sys.stderr.write("[elastic] a single process without mpiexec: a world of 1 that cannot survive a "
-                         "failure (for debugging). Launch with `python -m elastic.launch -n N -- ...`; "
-                         "ELASTIC_REQUIRE_ULFM=1 makes this an error.\n")
+        logging.getLogger("elastic.comm").warning(
+            "[elastic] a single process without mpiexec: a world of 1 that cannot survive a failure (for "
+            "debugging). Launch with `python -m elastic.launch -n N -- ...`; ELASTIC_REQUIRE_ULFM=1 makes this "
+            "an error.")
     parent = MPI.Comm.Get_parent()
     if parent != MPI.COMM_NULL:
         return _join_as_spawned(parent)

@@ -7,6 +7,7 @@ back to the last commit. ``elastic.run`` calls the rest (``_recover``, ``sync``)
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any, Iterator, Mapping
@@ -22,7 +23,7 @@ from ._structure import is_tensor as _is_tensor
 from ._structure import torch_kind as _torch_kind
 
 _PY_SCALARS = (bool, int, float, complex)
-PROGRESS_EVERY = 10  # steps between progress lines on rank 0
+_LOG = logging.getLogger("elastic")
 
 
 def kind_of(name: str, value: Any) -> str:
@@ -76,12 +77,16 @@ class StepClock:
     Local. A step's duration counts from the previous step or from the last
     ``restart()`` (the end of a recovery), so recovery time is never taken for
     training time. ``outlook`` (seconds per step, smoothed; steps left) is what
-    ``elastic.run`` hands to ``World.recover`` for the rebuild policy.
+    ``elastic.run`` hands to ``World.recover`` for the rebuild policy. The
+    progress line (logger ``elastic``, INFO) comes every ``progress_every``
+    steps and/or ``progress_seconds`` seconds (the configuration's), and at
+    the last step.
     """
 
     def __init__(self, world: World) -> None:
         self._world = world
         self._last: float | None = None
+        self._shown = time.monotonic()
         self.outlook = Outlook()
 
     def restart(self) -> None:
@@ -97,12 +102,20 @@ class StepClock:
         world = self._world
         if world.rank == 0:
             world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
-            if step % PROGRESS_EVERY == 0 or step == total:
+            if self._due(step, total) and _LOG.isEnabledFor(logging.INFO):
                 of = f"/{total}" if total else ""
                 shown = f" loss {loss:.5f}" if loss is not None else ""
                 rate = 1 / max(self.outlook.step_seconds or 0.0, 1e-9)
-                print(f"[train] step {step}{of}{shown}  {rate:.1f} steps/s  {world.size} ranks  "
-                      f"generation {world.generation}", flush=True)
+                _LOG.info("[train] step %s%s%s  %.1f steps/s  %d ranks  generation %d", step, of, shown, rate,
+                          world.size, world.generation)
+
+    def _due(self, step: int, total: int | None) -> bool:
+        config, now = self._world.config, time.monotonic()
+        due = step == total or bool(config.progress_every and step % config.progress_every == 0) or \
+            bool(config.progress_seconds and now - self._shown >= config.progress_seconds)
+        if due:
+            self._shown = now
+        return due
 
 
 def _tensor_array(tensor: Any) -> np.ndarray:

@@ -202,6 +202,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--oversubscribe", action="store_true", help="force --oversubscribe")
     parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH)")
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true",
+                      help="no progress lines, no command echo: warnings, the deaths and the verdict only")
+    talk.add_argument("--verbose", action="store_true", help="log every event of every process as it happens")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -227,7 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = Config.from_env(spares=args.spares, rebuild=args.rebuild, min_size=args.min_size,
                                       inject=args.inject, hang_timeout=args.hang_timeout,
                                       progress_timeout=args.progress_timeout, term_grace=args.grace,
-                                      run_dir=str(args.run_dir))
+                                      run_dir=str(args.run_dir),
+                                      log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None)
         _validate(args)
     except ConfigError as exc:
         parser.error(str(exc))
@@ -309,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                   for p in args.run_dir.glob(pattern)]:
         stale.unlink()
     cmd = build_command(args, args.nprocs + args.spares)
-    print(f"[launch] {' '.join(cmd)}", flush=True)
+    if not args.quiet:
+        print(f"[launch] {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **_job_env(args)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outputs = [_Output(proc.stdout, sys.stdout), _Output(proc.stderr, sys.stderr)]  # type: ignore[arg-type]

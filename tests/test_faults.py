@@ -6,6 +6,8 @@ on each process's own outcome file.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import JOB_TIMEOUT, ROOT, launch
@@ -143,4 +145,19 @@ def test_a_single_process_without_mpiexec_runs_as_a_world_of_one():
     strict = subprocess.run([sys.executable, "examples/train.py", "--steps", "3"], capture_output=True, text=True,
                             timeout=120, env={**env, "ELASTIC_REQUIRE_ULFM": "1"}, cwd=root)
     assert strict.returncode != 0 and "UlfmUnavailable" in strict.stderr
+
+
+def test_quiet_and_verbose(tmp_path):
+    quiet = launch(tmp_path / "q", 4, "--quiet", "--spares", "1", "--inject", "1@12",
+                   program=("examples/train.py", "--steps", "20"))
+    assert quiet.rc == 0, quiet.output
+    assert "[train] step" not in quiet.output and "[launch] /" not in quiet.output  # no progress, no echo
+    assert "[launch] training finished" in quiet.output and "killed by SIGKILL" in quiet.output
+    verbose = launch(tmp_path / "v", 4, "--verbose", "--spares", "1", "--inject", "1@10")
+    assert verbose.rc == 0, verbose.output
+    logged = [json.loads(line.split("[event] ", 1)[1]) for line in verbose.output.splitlines() if "[event] " in line]
+    assert {"started", "failure_seen", "rebuilt", "finished"} <= {e["event"] for e in logged}
+    recorded = verbose.events  # every event of every process, logged as it happened (the killed rank's
+    assert {e["event"] for e in logged} == {e["event"] for e in recorded}  # last line may die with it)
+    assert len(recorded) - 1 <= len(logged) <= len(recorded)
 

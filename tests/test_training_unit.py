@@ -239,6 +239,33 @@ def test_sampler_feeds_a_dataloader():
     assert first == sampler.shard(2) and len(loader) == 4
 
 
+def test_progress_lines_every_n_steps_or_seconds(caplog, monkeypatch):
+    from elastic.comm import Config
+    from elastic._state import StepClock
+
+    class _World:
+        rank, size, generation = 0, 4, 0
+        events = type("E", (), {"emit": staticmethod(lambda *a, **k: None)})()
+
+    def lines(config: Config, steps: int, clock_step: float = 0.0) -> list[int]:
+        world = _World()
+        world.config = config
+        now = [0.0]
+        monkeypatch.setattr("elastic._state.time.monotonic", lambda: now[0])
+        clock, shown = StepClock(world), []
+        caplog.clear()
+        with caplog.at_level("INFO", logger="elastic"):
+            for s in range(1, steps + 1):
+                now[0] += clock_step
+                clock.step_done(s, 0.5, total=steps)
+        shown = [int(r.getMessage().split()[2].split("/")[0]) for r in caplog.records]
+        return shown
+
+    assert lines(Config(), 25) == [10, 20, 25]
+    assert lines(Config(progress_every=0, progress_seconds=3.0), 10, clock_step=1.0) == [3, 6, 9, 10]
+    assert lines(Config(progress_every=0), 7) == [7]  # the last step only
+
+
 def test_micro_batches_cover_the_share():
     parts = list(elastic.micro_batches(np.arange(10), 4))
     assert [len(p) for p in parts] == [4, 4, 2] and np.array_equal(np.concatenate(parts), np.arange(10))
