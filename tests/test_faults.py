@@ -152,7 +152,7 @@ def test_quiet_and_verbose(tmp_path):
                    program=("examples/train.py", "--steps", "20"))
     assert quiet.rc == 0, quiet.output
     assert "[train] step" not in quiet.output and "[launch] /" not in quiet.output  # no progress, no echo
-    assert "[launch] training finished" in quiet.output and "killed by SIGKILL" in quiet.output
+    assert "[launch] training finished" in quiet.output and "injected kill at step 12" in quiet.output
     verbose = launch(tmp_path / "v", 4, "--verbose", "--spares", "1", "--inject", "1@10")
     assert verbose.rc == 0, verbose.output
     logged = [json.loads(line.split("[event] ", 1)[1]) for line in verbose.output.splitlines() if "[event] " in line]
