@@ -102,6 +102,7 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
     world = World(Members(merged, table, procs), state["config"], state["policy"], state["initial_size"],
                   state["generation"], Role.RECOVERED)
     world.history, world.streak, world.step = state["history"], state["streak"], state["step"]
+    world.committed = state["committed"]
     world.failures_seen = True
     world.lifecycle.install()
     world.events.emit("spawned", sentinel=world.watchdog.active)

@@ -61,6 +61,7 @@ class Summary:
     attempts: int = 0
     causes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     streak: int = 1
+    committed: bool = False  # some version was agreed in this job: state exists that must not be lost
 
     def placed(self, mode: str, logical: list[int], replaced: bool) -> None:
         """``logical`` got a new process (``replaced``) or was dropped (a shrink) by ``mode``."""
@@ -88,7 +89,7 @@ class Rebuilder:
         world = self.world
         started = time.perf_counter()
         world.failures_seen = True
-        done = Summary(streak=world.streak + 1)
+        done = Summary(streak=world.streak + 1, committed=world.committed)
         if not join:
             world.fire(members, "agree")
         while True:
@@ -122,6 +123,7 @@ class Rebuilder:
         world = self.world
         world.generation += 1
         world.streak = summary.streak
+        world.committed = world.committed or summary.committed
         mine = world.members.mine()
         world.role = Role.SPARE if mine == SPARE else Role.RECOVERED if mine in summary.replaced else Role.SURVIVOR
         result = Rebuild(world.generation, "+".join(summary.modes) or "none",
@@ -245,7 +247,10 @@ class Rebuilder:
             command, args = sys.executable, ["-m", "elastic.comm._sentinel", "--", sys.executable] + args
         inter, error = None, None
         try:
-            inter = members.comm.Spawn(command, args, maxprocs=len(logical), root=0)
+            # The child starts Python and imports what the program imports before it joins: seconds
+            # that the progress timeout must not count (the spawn has the join's bound instead).
+            with world.watchdog.bounded(JOIN_SECONDS):
+                inter = members.comm.Spawn(command, args, maxprocs=len(logical), root=0)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
             error = exc
@@ -261,13 +266,8 @@ class Rebuilder:
             world.events.emit("spawn_failed", lost=logical, error=str(error) if error else "on another process")
             return False
         assert inter is not None
-        # Open MPI's Merge can block for ever with both sides in it (seen once in 60 chaos runs, the
-        # child having printed "LAUNCHER JOB OBJECT NOT FOUND"): bounded, that ends the job, not hangs it.
-        world.watchdog.deadline(JOIN_SECONDS)
-        try:
+        with world.watchdog.bounded(JOIN_SECONDS):  # as the child's join: Merge can block for ever
             merged = inter.Merge(high=False)
-        finally:
-            world.watchdog.deadline(None)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         # From here on the new processes are members: a failure now is one more round on `merged`.
         members.comm = merged

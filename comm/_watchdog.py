@@ -130,6 +130,23 @@ class Watchdog:
             self._page["progress"] += 1  # arming starts the clock afresh
             self._page["armed"] = int(on)
 
+    @contextlib.contextmanager
+    def bounded(self, seconds: float) -> Iterator[None]:
+        """Inside: one operation with a bound of its own (a spawn and the merge with it), in place
+        of the progress timeout; the process is killed unless it leaves within ``seconds``."""
+        if self._page is None:
+            yield
+            return
+        armed = self._page["armed"]
+        self._page["armed"] = 0
+        self.deadline(seconds)
+        try:
+            yield
+        finally:
+            self.deadline(None)
+            self._page["progress"] += 1  # the clock starts afresh after it
+            self._page["armed"] = armed
+
     def deadline(self, seconds: float | None) -> None:
         """Kill this process unless ``deadline(None)`` comes within ``seconds``."""
         if self._page is not None:

@@ -49,6 +49,7 @@ class World:
         self.failures_seen = False
         self.history: set[tuple[str, Any]] = set()  # software errors seen, to stop one that repeats
         self.streak = 0                       # rebuilds since the last successful commit
+        self.committed = False                # a commit was agreed in this job (known to replacements too)
         self.watchdog = WATCHDOG
         self.events = EventLog(config.run_dir, self._context)
         self.lifecycle = Lifecycle(self)
@@ -223,7 +224,7 @@ class World:
     # ------------------------------------------------------- the contract
     def note_commit(self) -> None:
         """A commit succeeded on every active rank (local): failures in a row start again from 0."""
-        self.streak = 0
+        self.streak, self.committed = 0, True
         self.progress()
 
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
@@ -262,6 +263,7 @@ class World:
 
     # ------------------------------------------------------------ internals
     def rebuild(self, join: bool, outlook: Outlook | None = None) -> Rebuild:
+        self.watchdog.progress()  # the recovery is this process's progress now: its clock starts here
         with self.watchdog.waiting():  # a rebuild waits for every live process
             done = Rebuilder(self, outlook or Outlook()).run(self.members.copy(), join)
         self.export_env()
@@ -286,7 +288,8 @@ class World:
     def handover(self) -> dict[str, Any]:
         """What a spawned process needs to become a member (sent with the merge)."""
         return {"config": self.config, "policy": self.policy, "initial_size": self.initial_size,
-                "generation": self.generation, "history": self.history, "streak": self.streak, "step": self.step}
+                "generation": self.generation, "history": self.history, "streak": self.streak, "step": self.step,
+                "committed": self.committed}
 
     def _announce_fault(self, entry: Injection) -> None:
         self.events.emit("inject", **entry.to_dict())

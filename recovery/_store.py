@@ -170,7 +170,8 @@ class ReplicatedStore:
         until this rank's next commit replaces it: commit it with your own to
         keep it (``State`` does).
 
-        Returns False (on every rank) when no version was ever committed: nothing to recover.
+        Returns False (on every rank) when no version was ever committed in the job: nothing to
+        recover (and ``DataLost`` when one was, but every process that held it died).
 
         Raises:
             DataLost: every replica of some chunk died (same error on every rank).
@@ -181,6 +182,10 @@ class ReplicatedStore:
         active = [int(r) for r in world.logical_ranks]
         statuses = world.allgather(self._status())
         numbers = {s[0] for s in statuses if s[0] is not None}
+        if not numbers and world.committed:  # every process that held a version died: the same everywhere
+            lost = DataLost({r: [] for r in active})
+            world.events.emit("data_lost", lost=lost.lost)
+            raise agreed(lost)
         if not numbers:
             return False  # nothing was ever committed: nothing to recover
         number = max(numbers)

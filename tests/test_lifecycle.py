@@ -156,6 +156,18 @@ def test_losing_both_holders_with_spares_left_stops_every_process_with_data_lost
     assert "training did not finish: DataLost" in job.output
 
 
+def test_losing_every_process_that_held_the_state_is_data_lost_not_a_fresh_start(tmp_path):
+    # Logical 1 dies; while its replacement is being given its state, the three others die too. No
+    # live process holds any version now: the job must stop (found by the chaos campaign, seed 7
+    # run 103, where it silently started training again from the initial model).
+    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@12,0@restore/g1,2@restore/g1,3@restore/g1",
+                 program=TRAIN)
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 4 and {o["kind"] for o in errors} == {"DataLost"}, job.output
+    assert not job.has_result and "every chunk" in errors[0]["message"]
+
+
 def test_a_refused_commit_with_a_parked_spare_stops_every_process(tmp_path):
     job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("diverge", rank=2, step=7))
     assert job.rc == 1, job.output
