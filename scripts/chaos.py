@@ -120,24 +120,31 @@ def reference(replication: int, work: Path, cache: dict[int, dict]) -> dict:
 
 
 def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
-    """Whether every holder of some chunk is among victims that died before the copies lost with
-    the first of them were made again. A recovery moves a dead rank's state once; the copies it
-    held for others come back with the next commit after it (the store's exposure window), so
-    victims form one group until a commit completes in a later generation than theirs."""
+    """Whether some state had every copy die. A recovery moves a dead rank's state once, to its
+    replacement or adopter; the copies it held for others come back only with the next commit
+    after it (the store's exposure window). So victims form one group until a commit completes in
+    a later generation than theirs, and a chunk is lost when its owner died without its state
+    having been recovered since, and every holder of a copy is in the owner's group."""
     events = read_events(run_dir)
     fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park"), key=lambda e: e["t"])
     commits = [(e["t"], e["gen"]) for e in events if e["event"] == "committed"]
-    groups: list[set[int]] = []
-    last: tuple[float, int] = (0.0, 0)  # (time, generation) of the previous victim
+    recovered = [(e["t"], set(e["dead"])) for e in events if e["event"] == "store_recovered"]
+    groups: list[list[dict]] = []
     for e in fired:
-        if groups and not any(gen > last[1] and last[0] < t < e["t"] for t, gen in commits):
-            groups[-1].add(e["rank"])  # no commit re-made the copies in between: still exposed
+        last = groups[-1][-1] if groups else None
+        if last is not None and not any(gen > last["gen"] and last["t"] < t < e["t"] for t, gen in commits):
+            groups[-1].append(e)  # no commit re-made the copies in between: still exposed
         else:
-            groups.append({e["rank"]})
-        last = (e["t"], e["gen"])
+            groups.append([e])
     placement = place_replicas(list(range(RANKS)), {r: "host" for r in range(RANKS)}, scenario.replication,
                                {r: chunks for r in range(RANKS)})
-    return any(set(holders) <= group for holders in placement.values() for group in groups)
+    for group in groups:
+        ranks, end = {e["rank"] for e in group}, group[-1]["t"]
+        unrecovered = {e["rank"] for e in group
+                       if not any(e["t"] < t <= end and e["rank"] in dead for t, dead in recovered)}
+        if any(holders[0] in unrecovered and set(holders[1:]) <= ranks for holders in placement.values()):
+            return True
+    return False
 
 
 def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, str]:
