@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import socket
 import time
 from typing import Any, Callable, Mapping
@@ -42,7 +41,6 @@ from ._placement import DataLost, Layout, Piece, pieces, plan
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
 Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
 _ALIGN = 64  # the header is padded so that the fields start aligned
-_HUGE = 4 << 20  # buffers from this size on are mapped in huge pages
 # A payload: one byte array (header, then the fields), or the same as a list of arrays (the header,
 # then each field where the caller keeps it: a store without a roll-back copy).
 Payload = np.ndarray | list[np.ndarray]
@@ -345,7 +343,7 @@ class ReplicatedStore:
             if not any(reports):
                 break
             bad |= {(int(h), int(o), int(f)) for report in reports for h, o, f in report}
-        out = {o: _fresh(nbytes[o]) for o in dead if receiver[o] == me}
+        out = {o: np.empty(nbytes[o], np.uint8) for o in dead if receiver[o] == me}
         outgoing: dict[int, list[np.ndarray]] = {}
         incoming: dict[int, list[np.ndarray]] = {}
         for key in sorted(chosen):
@@ -379,7 +377,7 @@ class ReplicatedStore:
         spare, self._spare = self._spare, None
         if spare is not None and spare.nbytes == nbytes:
             return spare
-        return _fresh(nbytes)
+        return np.empty(nbytes, np.uint8)
 
     def _vote(self, ok: bool) -> None:
         """Uniform decision over the active ranks: returns on all or raises ProcessFailure on all."""
@@ -460,19 +458,6 @@ def _pack(segments: list[np.ndarray], total: int, reuse: Payload | None) -> np.n
         payload[offset:offset + seg.nbytes] = seg
         offset += seg.nbytes
     return payload
-
-
-def _fresh(nbytes: int) -> np.ndarray:
-    """A byte buffer for copies to land in, in huge pages where the kernel gives them: receiving
-    into fresh 4 KiB pages took twice the time of the transfer itself."""
-    if nbytes < _HUGE:
-        return np.empty(nbytes, np.uint8)
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        area.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass  # no transparent huge pages here: plain pages
-    return np.frombuffer(area, np.uint8)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
