@@ -1,16 +1,18 @@
-"""The data-plane collectives the layers above use through ``World``: bulk byte exchange and sums.
+"""The collectives the layers above use through ``World``, and the rebuild's control messages.
 
-Both run on the active ranks' communicator and raise the project's
-exceptions; neither votes (the callers' protocols do, where they decide
-something together).
+Bulk byte exchange, and ``allgather`` / ``bcast`` / ``alltoall`` of values:
+those travel in ``wire``'s format (a checked JSON document beside the
+arrays), never pickled, so what a peer sent builds nothing but data. None of
+them votes (the callers' protocols do, where they decide something together).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from . import wire
 from ._errors import Unrecoverable
 
 
@@ -27,7 +29,7 @@ def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming
     """
     send_counts = [sum(a.nbytes for a in arrays) for arrays in outgoing]
     expected = [sum(a.nbytes for a in arrays) for arrays in incoming]
-    recv_counts = comm.alltoall(send_counts)
+    recv_counts = _alltoall_counts(comm, send_counts).tolist()
     if recv_counts != expected:  # a planning bug: never slice data by a plan the sender does not share
         raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): expected "
                             f"{expected} bytes by rank, peers announced {recv_counts}")
@@ -42,6 +44,50 @@ def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming
             if t != MPI.BYTE:
                 t.Free()
     return sum(send_counts)
+
+
+def allgather(comm: MPI.Intracomm, value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (collective)."""
+    data = wire.encode(value)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([data.nbytes], np.int64), sizes)
+    displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    out = np.empty(int(sizes.sum()), np.uint8)
+    comm.Allgatherv(data, [out, sizes.tolist(), displs.tolist(), MPI.BYTE])
+    return [wire.decode(out[d:d + n]) for d, n in zip(displs, sizes)]
+
+
+def bcast(comm: MPI.Intracomm, value: Any, root: int) -> Any:
+    """Rank ``root``'s ``value`` on every rank (collective; the root gets its own object back)."""
+    mine = comm.Get_rank() == root
+    data = wire.encode(value) if mine else None
+    size = np.array([data.nbytes if data is not None else 0], np.int64)
+    comm.Bcast(size, root=root)
+    if data is None:
+        data = np.empty(int(size[0]), np.uint8)
+    comm.Bcast(data, root=root)
+    return value if mine else wire.decode(data)
+
+
+def alltoall(comm: MPI.Intracomm, values: Sequence[Any]) -> list[Any]:
+    """Send ``values[r]`` to rank ``r``; what each rank sent here, by rank (collective). None costs
+    no bytes: a sparse exchange moves only what is there, plus one count per peer."""
+    datas = [wire.encode(v) for v in values]
+    send_sizes = np.array([d.nbytes for d in datas], np.int64)
+    recv_sizes = _alltoall_counts(comm, send_sizes)
+    send = np.concatenate(datas) if datas else np.empty(0, np.uint8)
+    recv = np.empty(int(recv_sizes.sum()), np.uint8)
+    send_displs = np.concatenate(([0], np.cumsum(send_sizes)[:-1]))
+    recv_displs = np.concatenate(([0], np.cumsum(recv_sizes)[:-1]))
+    comm.Alltoallv([send, send_sizes.tolist(), send_displs.tolist(), MPI.BYTE],
+                   [recv, recv_sizes.tolist(), recv_displs.tolist(), MPI.BYTE])
+    return [wire.decode(recv[d:d + n]) for d, n in zip(recv_displs, recv_sizes)]
+
+
+def _alltoall_counts(comm: MPI.Intracomm, counts: Sequence[int] | np.ndarray) -> np.ndarray:
+    recv = np.zeros(comm.Get_size(), np.int64)
+    comm.Alltoall(np.asarray(counts, np.int64), recv)
+    return recv
 
 
 def _blocks_type(arrays: list[np.ndarray]) -> MPI.Datatype:

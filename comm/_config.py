@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ._errors import ConfigError
 from ._faults import INJECT_ENV, Injection, parse_schedule
+from .wire import message
 
 MODES = ("spare", "spawn", "shrink")
 
@@ -41,6 +42,7 @@ def _text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+@message
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Every setting of a job; see ``ENV`` for the variable behind each field.

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ._errors import ConfigError, ElasticError
+from .wire import message
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
@@ -50,6 +51,7 @@ class InjectedFault(ElasticError):
     """Raised by an injection with action ``raise``: a software fault in user code."""
 
 
+@message
 @dataclasses.dataclass(frozen=True)
 class Injection:
     rank: int

@@ -11,6 +11,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import _log, _spares
+from ._collectives import allgather, bcast
 from ._config import Config
 from ._errors import ConfigError, mpi_errors
 from ._events import EventLog
@@ -28,8 +29,9 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     Args:
         config: the job's settings (default ``Config.from_env()``: what the launcher set);
             keyword ``settings`` override single fields (``spares=1``, ``run_dir=...``).
-        policy: decides each rebuild (default: the configured modes in order, ``FixedOrder``);
-            must pickle, spawned processes get it too.
+        policy: decides each rebuild (default: the configured modes in order, ``FixedOrder``),
+            on the lowest live process; a spawned replacement runs the program again and uses the
+            policy its own ``init`` is given (nothing of it travels between processes).
 
     Returns the World on an active rank. A spare returns only once promoted
     (role RECOVERED), or exits when the job finishes without needing it. A
@@ -52,7 +54,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
             "an error.")
     parent = MPI.Comm.Get_parent()
     if parent != MPI.COMM_NULL:
-        return _join_as_spawned(parent)
+        return _join_as_spawned(parent, policy)
     universe = MPI.COMM_WORLD.Dup()
     universe.Set_errhandler(MPI.ERRORS_RETURN)
     n = universe.Get_size()
@@ -67,7 +69,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     world.lifecycle.install()
     with mpi_errors(universe):
         world.comm = split_actives(members)
-        members.procs = universe.allgather((socket.gethostname(), os.getpid()))
+        members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=n - config.spares, spares=config.spares, modes=config.rebuild,
                       sentinel=world.watchdog.active)
     if role is Role.SPARE:
@@ -78,7 +80,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     return world
 
 
-def _join_as_spawned(parent: MPI.Intercomm) -> World:
+def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> World:
     """A spawned replacement: merge with the survivors and finish their rebuild with them.
 
     When the parents give up on it (a failure during the spawn), the merge
@@ -90,7 +92,7 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
     try:
         merged = parent.Merge(high=True)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        payload = merged.bcast(None, root=0)
+        payload = bcast(merged, None, 0)
     except MPI.Exception as exc:
         sys.stderr.write(f"[elastic] a spawned process was abandoned by its parents ({exc}); leaving\n")
         sys.stderr.flush()
@@ -99,8 +101,9 @@ def _join_as_spawned(parent: MPI.Intercomm) -> World:
     WATCHDOG.deadline(None)
     table, procs = payload["members"]
     state = payload["world"]
-    world = World(Members(merged, table, procs), state["config"], state["policy"], state["initial_size"],
-                  state["generation"], Role.RECOVERED)
+    config = state["config"]  # the job's, as the parents run it
+    world = World(Members(merged, table, procs), config, policy or FixedOrder(config.rebuild, config.min_size),
+                  state["initial_size"], state["generation"], Role.RECOVERED)
     world.history, world.streak, world.step = state["history"], state["streak"], state["step"]
     world.committed = state["committed"]
     world.failures_seen = True

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Protocol
 
 from ._config import MODES
+from .wire import message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class RebuildContext:
     unavailable: frozenset[str] = frozenset()   # modes that failed in this rebuild (a spawn)
 
 
+@message
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The modes to apply in order, and why; no modes: the job stops with ``reason``."""
@@ -44,7 +46,8 @@ class Decision:
 
 
 class RebuildPolicy(Protocol):
-    """Anything with ``decide``; it must pickle (spawned processes receive it)."""
+    """Anything with ``decide`` (asked on the lowest live process; a spawned replacement uses the
+    policy its own ``init`` gets, so the program must pass the same one everywhere)."""
 
     def decide(self, context: RebuildContext) -> Decision: ...
 

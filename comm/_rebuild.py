@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from mpi4py import MPI
 
+from ._collectives import allgather, bcast
 from ._errors import ProcessFailure, Unrecoverable, agreed, translate
 from ._events import read_cause
 from ._membership import SPARE, Members, Proc
 from ._policy import Decision, Outlook, RebuildContext
 from ._ranks import LogicalRank, Role
+from .wire import message
 
 if TYPE_CHECKING:
     from ._world import World
@@ -48,6 +50,7 @@ class Rebuild:
     streak: int = 1                        # rebuilds since the last successful commit
 
 
+@message
 @dataclasses.dataclass
 class Summary:
     """What the rounds of one rebuild have done so far; universe rank 0's copy is what all adopt."""
@@ -214,8 +217,12 @@ class Rebuilder:
         answer = None
         if members.comm.Get_rank() == 0:
             context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable)
-            answer = self.world.policy.decide(context)
-        decision: Decision = members.comm.bcast(answer, root=0)
+            try:  # whatever the policy does, every process must get one decision
+                got = self.world.policy.decide(context)
+                answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))
+            except Exception as exc:
+                answer = Decision((), f"the rebuild policy failed: {exc!r}")
+        decision: Decision = bcast(members.comm, answer, 0)
         self.world.events.emit("decision", modes=decision.modes, reason=decision.reason, lost=lost)
         modes = tuple(m for m in decision.modes if m not in unavailable)
         if not modes:
@@ -273,7 +280,7 @@ class Rebuilder:
         members.comm = merged
         members.table = members.table + list(logical)  # children come after the parents (high=True there)
         members.procs = members.procs + [None] * len(logical)
-        merged.bcast({"members": (members.table, members.procs), "world": world.handover()}, root=0)
+        bcast(merged, {"members": (members.table, members.procs), "world": world.handover()}, 0)
         return True
 
     # ------------------------------------------------------------------ install
@@ -289,8 +296,8 @@ class Rebuilder:
             if not members.comm.Agree(1):  # nobody died since: Split must not meet a dead member (it can spin)
                 return None
             world.comm = split_actives(members)
-            members.procs = members.comm.allgather((socket.gethostname(), os.getpid()))
-            return members.comm.bcast(done, root=0)
+            members.procs = allgather(members.comm, (socket.gethostname(), os.getpid()))
+            return bcast(members.comm, done, 0)
         except MPI.Exception as exc:
             world.events.emit("install_failed", error=str(exc))
             return None

@@ -1,15 +1,21 @@
 """Parked spares: how they wait, how they are promoted, and how they are let go.
 
-A spare blocks in a receive on the universe. A rebuild revokes the universe,
-which wakes it into the same rebuild as everyone else; if it is given a lost
-logical rank it returns from ``elastic.init()`` as a recovered rank. At the
-end of the job the lowest live active rank sends it a release.
+A spare waits for a receive on the universe, testing it every few
+milliseconds and sleeping in between: a blocking MPI receive would spin on a
+core that the active ranks on the node need. A rebuild revokes the universe,
+which fails the receive and takes the spare into the same rebuild as everyone
+else; if it is given a lost logical rank it returns from ``elastic.init()`` as
+a recovered rank. At the end of the job the lowest live active rank sends it
+a release (an empty message: nothing to decode).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 from mpi4py import MPI
 
 from ._errors import Unrecoverable, agreed, translate
@@ -20,6 +26,7 @@ if TYPE_CHECKING:
     from ._world import World
 
 TAG_RELEASE = 7701
+POLL_SECONDS = 0.002  # a promotion waits at most this long for the spare to notice the revoke
 
 
 def park(world: "World") -> None:
@@ -31,7 +38,7 @@ def park(world: "World") -> None:
     while world.role is Role.SPARE:
         universe = world.members.comm
         try:
-            universe.recv(source=MPI.ANY_SOURCE, tag=TAG_RELEASE)
+            _wait_for_release(universe)
         except MPI.Exception as exc:
             if exc.Get_error_class() == MPI.ERR_REVOKED:
                 world.rebuild(join=False)
@@ -67,7 +74,23 @@ def release(world: "World", released: set[int]) -> None:
     for u, entry in enumerate(members.table):
         if entry == SPARE and u not in failed and u not in released:
             try:
-                members.comm.send(None, dest=u, tag=TAG_RELEASE)
+                members.comm.Send(np.empty(0, np.uint8), dest=u, tag=TAG_RELEASE)
                 released.add(u)
             except MPI.Exception:
                 pass  # a dead spare needs no release; the agreement acknowledges it
+
+
+def _wait_for_release(universe: MPI.Intracomm) -> None:
+    """Return when the release arrives; raises what the receive fails with (a revoke, a death)."""
+    request = universe.Irecv(np.empty(0, np.uint8), source=MPI.ANY_SOURCE, tag=TAG_RELEASE)
+    try:
+        while not request.Test():
+            time.sleep(POLL_SECONDS)
+    except MPI.Exception:
+        # A revoked communicator completes the receive in error; one that failed otherwise may
+        # still be pending and must not outlive this call.
+        if request != MPI.REQUEST_NULL:
+            with contextlib.suppress(MPI.Exception):
+                request.Cancel()
+                request.Free()
+        raise

@@ -169,16 +169,16 @@ class World:
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every active rank's ``obj`` in current-rank order, or ``ProcessFailure`` everywhere (collective)."""
-        return self._agreed(lambda: self.comm.allgather(obj))
+        return self._agreed(lambda: _collectives.allgather(self.comm, obj))
 
     def bcast(self, obj: Any, root: int) -> Any:
         """``obj`` of current rank ``root`` on every active rank, or ``ProcessFailure`` everywhere (collective)."""
-        return self._agreed(lambda: self.comm.bcast(obj, root=root))
+        return self._agreed(lambda: _collectives.bcast(self.comm, obj, root))
 
     def alltoall(self, objs: Mapping[int, Any]) -> list[Any]:
         """Send ``objs[r]`` (None if absent) to current rank ``r``; returns what each rank sent here,
         by current rank, or ``ProcessFailure`` everywhere (collective, agreed)."""
-        return self._agreed(lambda: self.comm.alltoall([objs.get(r) for r in range(self.size)]))
+        return self._agreed(lambda: _collectives.alltoall(self.comm, [objs.get(r) for r in range(self.size)]))
 
     def _agreed(self, call: Callable[[], Any]) -> Any:
         # A collective can fail on some ranks and succeed on others; the vote makes the outcome the
@@ -287,7 +287,7 @@ class World:
 
     def handover(self) -> dict[str, Any]:
         """What a spawned process needs to become a member (sent with the merge)."""
-        return {"config": self.config, "policy": self.policy, "initial_size": self.initial_size,
+        return {"config": self.config, "initial_size": self.initial_size,
                 "generation": self.generation, "history": self.history, "streak": self.streak, "step": self.step,
                 "committed": self.committed}
 

@@ -15,12 +15,11 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed
+from elastic.comm import wire
+from elastic.comm.wire import is_tensor as _is_tensor
+from elastic.comm.wire import torch_kind as _torch_kind
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
-
-from . import _structure
-from ._structure import is_tensor as _is_tensor
-from ._structure import torch_kind as _torch_kind
 
 _PY_SCALARS = (bool, int, float, complex)
 _LOG = logging.getLogger("elastic")
@@ -37,7 +36,7 @@ def kind_of(name: str, value: Any) -> str:
     if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
         return "object"
     if isinstance(value, (dict, list, tuple)):
-        _structure.split(value, f"state value {name!r}")  # refused here, when it is set, if it cannot be stored
+        wire.split(value, f"state value {name!r}")  # refused here, when it is set, if it cannot be stored
         return "tree"
     return to_array(name, value)[1]
 
@@ -400,7 +399,7 @@ _STRUCTURE = ".__structure__"  # the name suffix of a structured value's JSON do
 def _split_value(name: str, tree: Any) -> dict[str, np.ndarray]:
     """A nested value (a state_dict) as arrays: its structure as JSON under ``name.__structure__``,
     each tensor or array under ``name.<path>`` (local)."""
-    doc, leaves = _structure.split(tree, f"state value {name!r}")
+    doc, leaves = wire.split(tree, f"state value {name!r}")
     out = {f"{name}{_STRUCTURE}": doc}
     for path, leaf in leaves.items():
         out[f"{name}.{path}"] = _tensor_array(leaf) if _is_tensor(leaf) else leaf
@@ -410,7 +409,7 @@ def _split_value(name: str, tree: Any) -> dict[str, np.ndarray]:
 def _join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None) -> Any:
     """The inverse of ``_split_value``: each tensor or array copied into ``current``'s at the same
     path where it still fits (an optimizer then keeps its own tensors), else new (local)."""
-    have = _structure.split(current, name)[1] if current is not None else {}
+    have = wire.split(current, name)[1] if current is not None else {}
 
     def leaf(path: str, kind: str) -> Any:
         array, mine = arrays[f"{name}.{path}"], have.get(path)
@@ -420,7 +419,7 @@ def _join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None
             return mine
         return from_array(array, kind)
 
-    return _structure.join(arrays[f"{name}{_STRUCTURE}"], leaf)
+    return wire.join(arrays[f"{name}{_STRUCTURE}"], leaf)
 
 
 def _copy_into(tensor: Any, array: np.ndarray) -> None:

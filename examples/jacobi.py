@@ -53,12 +53,11 @@ def step_once(world: elastic.World, a: np.ndarray, b: np.ndarray, x: np.ndarray,
 
 def resync(world: elastic.World, step: int, x: np.ndarray, x_prev: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     """Agree on the last step every survivor completed and hand its iterate to newcomers (collective)."""
-    with world.guard():
-        steps = world.comm.allgather(None if world.role is Role.RECOVERED else step)
-        agreed = min(s for s in steps if s is not None)
-        if world.role is not Role.RECOVERED and step > agreed:  # one step ahead: roll back
-            step, x = agreed, x_prev
-        x = world.comm.bcast(x, root=world.first_survivor)
+    steps = world.allgather(None if world.role is Role.RECOVERED else step)
+    agreed = min(s for s in steps if s is not None)
+    if world.role is not Role.RECOVERED and step > agreed:  # one step ahead: roll back
+        step, x = agreed, x_prev
+    x = world.bcast(x, root=world.first_survivor)
     return agreed, x, x
 
 

@@ -142,7 +142,9 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
                     out.backward(torch.from_numpy(grad))
                 if j > 0 and host[path[j - 1][1]] != mine:
                     comm.Send(inp.grad.numpy(), dest=host[path[j - 1][1]], tag=TAG + 100 + j - 1)
-        return float(comm.bcast(loss_sum, root=host[stages - 1]))
+        loss = np.array([loss_sum], np.float64)
+        comm.Bcast(loss, root=host[stages - 1])
+        return float(loss[0])
 
 
 # ------------------------------------------------------------------ the loops

@@ -71,10 +71,9 @@ def main() -> int:
                 lo, hi = bounds[s], bounds[s + 1]
                 adam_step(flat[lo:hi], grad[lo:hi], state[f"adam.{s}.m"], state[f"adam.{s}.v"], state.step + 1, args.lr)
                 updated[s] = flat[lo:hi]
-            with world.guard():
-                for part in world.comm.allgather(updated):
-                    for s, values in part.items():
-                        flat[bounds[s]:bounds[s + 1]] = values
+            for part in world.allgather(updated):
+                for s, values in part.items():
+                    flat[bounds[s]:bounds[s + 1]] = values
             torch.nn.utils.vector_to_parameters(torch.from_numpy(flat), model.parameters())
             state.step += 1
             state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
@@ -84,15 +83,13 @@ def main() -> int:
         return state.loss
 
     loss = train(world, state)
-    with world.guard():
-        owners = world.comm.gather(owned_shards(state), root=0)
-    moments = {s: state[f"adam.{s}.m"].tobytes() + state[f"adam.{s}.v"].tobytes() for s in owned_shards(state)}
-    with world.guard():
-        all_moments = world.comm.gather(moments, root=0)
+    owners = world.allgather(owned_shards(state))
+    moments = {s: np.concatenate([state[f"adam.{s}.m"], state[f"adam.{s}.v"]]) for s in owned_shards(state)}
+    all_moments = world.allgather(moments)
     if world.rank == 0:
         merged = {s: b for part in all_moments for s, b in part.items()}
         report(world, state, loss, model_sha256=digest(model.state_dict()), shard_owners=owners,
-               moments_sha256=hashlib.sha256(b"".join(merged[s] for s in sorted(merged))).hexdigest())
+               moments_sha256=hashlib.sha256(b"".join(merged[s].tobytes() for s in sorted(merged))).hexdigest())
     return 0
 
 

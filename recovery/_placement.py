@@ -34,6 +34,7 @@ from typing import AbstractSet as Set, Iterable, Mapping, Sequence
 import networkx as nx
 
 from elastic.comm import Unrecoverable
+from elastic.comm.wire import message
 
 Chunk = tuple[int, int]  # (owner logical rank, chunk index)
 
@@ -50,6 +51,7 @@ class DataLost(Unrecoverable):
                          "or spread ranks over more failure domains")
 
 
+@message
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The active ranks by failure domain (identical on every rank; built once per generation)."""

@@ -53,6 +53,17 @@ def test_spawned_replacement_is_bitwise(tmp_path, reference):
     assert single_rebuild(job)["mode"] == "spawn" and len(job.of("spawned")) == 1
 
 
+def test_no_process_unpickles_what_a_peer_sent(tmp_path, reference):
+    """Every message between processes (joins, commits, a spare's promotion, a spawn's handover, the
+    store's recovery) travels as JSON and arrays: with pickle's loader made to fail and leave a mark,
+    a run through a spare and a spawn is still bitwise the failure-free run and no mark is left."""
+    job = launch(tmp_path, 4, "--spares", "1", "--rebuild", "spare,spawn", "--inject", "1@13,2@25/g1",
+                 program=("tests/programs/no_pickle.py",))
+    assert not sorted(job.run_dir.glob("pickle-*")), job.output
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert [e["logical"] for e in job.of("promoted")] == [1] and len(job.of("spawned")) == 1
+
+
 def test_losing_logical_rank_zero_is_bitwise(tmp_path, reference):
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "0@13", program=TRAIN)
     assert_bitwise(job, reference(TRAIN), "optimizer_sha256")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic
-from elastic import _structure
+from elastic.comm import wire
 from elastic._state import _join_value, _split_value, from_array, kind_of, to_array
 from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
@@ -129,7 +129,7 @@ def test_objects_with_a_state_dict_round_trip_through_json_and_arrays(name):
 
 
 def _digest(tree) -> str:
-    doc, leaves = _structure.split(tree, "x")
+    doc, leaves = wire.split(tree, "x")
     return doc.tobytes().hex() + "".join(np.asarray(v).tobytes().hex() for v in leaves.values())
 
 
@@ -153,7 +153,7 @@ def test_a_structure_refuses_what_it_cannot_carry_naming_where():
                                       b"\x80\x04K\x01.", b'{"schema":1,"value":{"scalar":"|O","v":1}}'])
 def test_a_foreign_structure_builds_nothing(document):
     with pytest.raises(elastic.ConfigError, match="not one this version wrote"):
-        _structure.join(np.frombuffer(document, np.uint8), lambda path, kind: None)
+        wire.join(np.frombuffer(document, np.uint8), lambda path, kind: None)
 
 
 def test_no_restore_path_unpickles(monkeypatch):
