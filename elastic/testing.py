@@ -13,6 +13,12 @@ A pytest plugin (entry point ``elastic``): once ulfm-elastic is installed the
 it, so a hang fails the test instead of stalling the suite. ``Job`` gives the
 launcher's exit status and output, and the run directory's events, outcomes,
 sentinel fates and the program's result (``World.record_result``).
+
+Multi-rank pytest-mpi suites (``mpiexec --with-ft ulfm -n N python -m pytest
+--with-mpi``): a test that fails on some ranks only would leave the others
+waiting in their next collective for ever. The plugin prints the failure with
+the rank that had it and aborts the job (``MPI_Abort``), so the suite ends
+with a non-zero status instead of hanging. ``--mpi-keep-going`` turns it off.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -102,3 +108,32 @@ def elastic_launch(tmp_path: Path) -> Callable[..., Job]:
     def run(program: Sequence[str], n: int = 4, args: Sequence[str] = (), **kwargs) -> Job:
         return launch(program, n, tmp_path / f"run-{next(count)}", args, **kwargs)
     return run
+
+
+# ------------------------------------------------------------------ pytest-mpi suites
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("elastic").addoption(
+        "--mpi-keep-going", action="store_true",
+        help="under mpiexec with --with-mpi: do not abort the job when a test fails on a rank "
+             "(the other ranks may then wait for it for ever)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or not _in_a_multirank_suite(item.config):
+        return
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "?"
+    sys.stderr.write(f"\n[elastic.testing] rank {rank}: {item.nodeid} failed ({report.when}); aborting the job, "
+                     f"whose other ranks would wait for this one (--mpi-keep-going: do not)\n"
+                     f"{report.longreprtext}\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _in_a_multirank_suite(config: pytest.Config) -> bool:
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or "1"
+    return bool(config.getoption("with_mpi", default=False)) and not config.getoption("mpi_keep_going") \
+        and int(size) > 1
