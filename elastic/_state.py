@@ -1,73 +1,28 @@
 """State that rolls back together: named values, committed to peers' memory, restored after a failure.
 
-``State`` holds plain values (numbers, numpy arrays, torch tensors) by name;
-``TorchState`` adds a model, an optimizer and the RNG states. ``commit()``
-replicates through ``elastic.recovery.ReplicatedStore``; ``restore()`` rolls
-back to the last commit. ``elastic.run`` calls the rest (``_recover``, ``sync``).
+``State`` holds values by name, each through the handler of its kind
+(``_handlers``); ``TorchState`` adds a model, an optimizer and the RNG states
+as three more handlers. ``commit()`` replicates through
+``elastic.recovery.ReplicatedStore``; ``restore()`` rolls back to the last
+commit, and after a shrink gives this rank handlers for the values it took
+over. ``elastic.run`` calls the rest (``_recover``, ``sync``).
 """
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed
-from elastic.comm import wire
-from elastic.comm.wire import is_tensor as _is_tensor
-from elastic.comm.wire import torch_kind as _torch_kind
+from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed, wire
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
-_PY_SCALARS = (bool, int, float, complex)
+from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
+
 _LOG = logging.getLogger("elastic")
-
-
-def kind_of(name: str, value: Any) -> str:
-    """How a State value is stored (local): 'object' (anything with state_dict() and
-    load_state_dict(): a scheduler, a GradScaler, a sampler, a module), 'tree' (dicts, lists and
-    tuples of numbers, strings, arrays and tensors: a plain state_dict), else an array's kind.
-
-    Raises:
-        ConfigError: none of those, saying what to do.
-    """
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-        return "object"
-    if isinstance(value, (dict, list, tuple)):
-        wire.split(value, f"state value {name!r}")  # refused here, when it is set, if it cannot be stored
-        return "tree"
-    return to_array(name, value)[1]
-
-
-def to_array(name: str, value: Any) -> tuple[np.ndarray, str]:
-    """A number, numpy array or tensor as an array and the kind to give back on restore (local).
-
-    Raises:
-        ConfigError: the value is not a number, a numpy array or a torch tensor.
-    """
-    if isinstance(value, _PY_SCALARS) or isinstance(value, np.generic):
-        return np.asarray(value), "python" if isinstance(value, _PY_SCALARS) else "numpy"
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        return value, "numpy"
-    if _is_tensor(value):
-        return _tensor_array(value), _torch_kind(value.dtype)
-    raise ConfigError(f"state value {name!r} is a {type(value).__name__}: a State holds numbers, numpy arrays "
-                      "and torch tensors, objects with state_dict() and load_state_dict(), and dicts and lists of "
-                      "those; convert it (np.asarray(...)) or keep it outside the State")
-
-
-def from_array(array: np.ndarray, kind: str) -> Any:
-    """The inverse of ``to_array``: a new value of its own, never a view of ``array`` (local)."""
-    if kind == "python":
-        return array.item()
-    if kind.startswith("torch:"):
-        import torch
-        tensor = torch.from_numpy(np.array(array))
-        dtype = getattr(torch, kind.removeprefix("torch:"))
-        return tensor.view(dtype) if tensor.dtype != dtype else tensor
-    return np.array(array)
+INDEX = "__handlers__"  # a committed JSON document: each value's name and its handler's label
 
 
 class StepClock:
@@ -117,15 +72,6 @@ class StepClock:
         return due
 
 
-def _tensor_array(tensor: Any) -> np.ndarray:
-    """A CPU view of a tensor's bytes (no copy for contiguous CPU tensors; bfloat16 travels as int16)."""
-    import torch
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
-
-
 class State:
     """Named values that are committed and rolled back together. Create on every active rank.
 
@@ -148,34 +94,41 @@ class State:
         self._world = world
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
         self._adopt = adopt
-        self._local = frozenset(local)
-        self._values: dict[str, Any] = {}
-        self._kinds: dict[str, str] = {}
+        self._local = frozenset(local) | {INDEX}
+        self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
+        self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world)
         for name, value in values.items():
             self[name] = value
 
     # ------------------------------------------------------------ values
     def __setitem__(self, name: str, value: Any) -> None:
-        self._kinds[name] = kind_of(name, value)
-        self._values[name] = value
+        if name in self._handlers and name not in self._public:
+            raise ConfigError(f"state value {name!r}: {type(self).__name__} keeps its own values under that name; "
+                              "choose another")
+        self._handlers[name] = for_value(name, value)
+        self._public.add(name)
 
     def __getitem__(self, name: str) -> Any:
-        return self._values[name]
+        if name not in self._public:
+            raise KeyError(name)
+        return self._handlers[name].value
 
     def __delitem__(self, name: str) -> None:
-        del self._values[name], self._kinds[name]
+        if name not in self._public:
+            raise KeyError(name)
+        self._public.discard(name)
+        del self._handlers[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._values
+        return name in self._public
 
     def names(self) -> Iterator[str]:
-        return iter(sorted(self._values))
+        return iter(sorted(self._public))
 
     def __getattr__(self, name: str) -> Any:
-        values = self.__dict__.get("_values", {})
-        if name in values:
-            return values[name]
+        if name in self.__dict__.get("_public", ()):
+            return self.__dict__["_handlers"][name].value
         raise AttributeError(f"{type(self).__name__} has no value {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -212,15 +165,15 @@ class State:
         self._store.commit(arrays, 0 if self.version is None else self.version + 1)
 
     def restore(self) -> None:
-        """Roll every value back to the last agreed version (local)."""
+        """Roll every value back to the last agreed version (local). Values of removed ranks this
+        rank took over after a shrink get handlers here, unless it has values of the same name (its
+        own win)."""
         if self.version is None:
             raise ConfigError("nothing committed yet: elastic.run commits once before calling your function")
-        merged: dict[str, np.ndarray] = {}
-        for owner in self._store.owners_here():  # own values win over adopted ones of the same name
+        for owner in self._store.owners_here():
             if owner != int(self._world.logical_rank):
-                merged.update(self._store.restore_owner(owner))
-        merged.update(self._store.restore())
-        self._apply(merged)
+                self._apply(self._store.restore_owner(owner), adopting=True)
+        self._apply(self._store.restore())
 
     def sync(self) -> None:
         """Make every rank start from the same state (collective over the active ranks).
@@ -259,43 +212,47 @@ class State:
     def _is_local(self, name: str) -> bool:
         return name in self._local or name.split(".", 1)[0] in self._local
 
+    def _own(self, name: str, handler: Handler) -> None:
+        """A value the State keeps for itself (a model, the RNGs): committed, not in ``names()``."""
+        if name in self._handlers:
+            raise ConfigError(f"state value {name!r}: {type(self).__name__} keeps its own values under that name; "
+                              "choose another")
+        self._handlers[name] = handler
+
     def _capture(self) -> dict[str, np.ndarray]:
-        arrays: dict[str, np.ndarray] = {}
-        for name, value in self._values.items():
-            kind = self._kinds[name]
-            if kind == "object":
-                arrays.update(_split_value(name, value.state_dict()))
-            elif kind == "tree":
-                arrays.update(_split_value(name, value))
-            else:
-                arrays[name] = to_array(name, value)[0]
+        labels = {name: handler.label for name, handler in self._handlers.items()}
+        arrays = {INDEX: wire.split(labels, "the State's index")[0]}
+        for name, handler in self._handlers.items():
+            arrays.update(handler.capture(name))
         return arrays
 
-    def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Take the values in ``arrays`` (read-only views of the store: copied, into the existing
-        numpy arrays and tensors in place where the shape and type still fit)."""
+    def _apply(self, arrays: Mapping[str, np.ndarray], adopting: bool = False) -> None:
+        """Take the values in ``arrays`` (read-only views of the store), each through its handler;
+        names without one get the handler their index names. ``adopting``: another rank's values,
+        taken only where this rank has none of that name."""
         arrays = dict(arrays)
-        for name in [k.removesuffix(_STRUCTURE) for k in arrays if k.endswith(_STRUCTURE)]:
-            kind = self._kinds.get(name)
-            if kind not in ("object", "tree"):
-                continue  # not held here (adopted from a removed rank): kept as plain arrays
-            mine = {k: arrays.pop(k) for k in [k for k in arrays if k.startswith(f"{name}.")]}
-            current = self._values[name]
-            if kind == "object":
-                current.load_state_dict(_join_value(name, mine, current.state_dict()))
-            else:
-                self._values[name] = _join_value(name, mine, current)
-        for name, array in arrays.items():
-            kind = self._kinds.setdefault(name, "numpy")
-            current = self._values.get(name)
-            if kind == "numpy" and isinstance(current, np.ndarray) and current.flags.writeable and \
-                    current.shape == array.shape and current.dtype == array.dtype:
-                current[...] = array
-            elif kind.startswith("torch:") and current is not None and _is_tensor(current) and \
-                    tuple(current.shape) == array.shape and _torch_kind(current.dtype) == kind:
-                _copy_into(current, array)
-            else:
-                self._values[name] = from_array(array, kind)
+        index = arrays.pop(INDEX, None)
+        labels: dict[str, str] = wire.join(index, lambda path, kind: None) if index is not None else {}
+        for name, group in self._group(arrays, labels).items():
+            handler = self._handlers.get(name)
+            if handler is None:
+                handler = self._handlers[name] = adopted(labels.get(name, "plain:numpy"), name, group)
+                if not isinstance(handler, Held):
+                    self._public.add(name)
+            elif not adopting:
+                handler.apply(name, group)
+
+    def _group(self, arrays: Mapping[str, np.ndarray], labels: Mapping[str, str]) -> dict[str, dict]:
+        """The arrays by the value they belong to: the longest dotted prefix that names a value."""
+        groups: dict[str, dict] = {}
+        for key, array in arrays.items():
+            name = key
+            while name not in self._handlers and name not in labels and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name not in self._handlers and name not in labels:
+                name = key  # no index (an old version's arrays): a plain array
+            groups.setdefault(name, {})[key] = array
+        return groups
 
     def _check_shared(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Raise the same ConfigError on every rank when a value that must be equal differs (collective)."""
@@ -330,8 +287,10 @@ class TorchState(State):
     must be equal on every rank (data parallel) unless named in ``local``;
     the RNG states (``rng.*``: torch, numpy, python) are per rank.
     Data-loader position is a scalar such as ``step`` (see ``GlobalBatches``).
-    After a shrink, a pair adopted from a removed rank waits as plain arrays
-    until ``bind(name, model, optimizer)`` loads it (see ``unbound()``).
+    Each is a handler of its kind (``_handlers``: ``Module``, ``Stateful``,
+    ``Rng``), like the program's values. After a shrink, a pair taken over
+    from a removed rank is held as arrays until ``bind(name, model,
+    optimizer)`` loads it (see ``unbound()``).
     """
 
     def __init__(self, world: World, *, model: Any = None, optimizer: Any = None,
@@ -339,98 +298,29 @@ class TorchState(State):
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
                  adopt: Adopt | None = None, **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
-        self._modules: dict[str, tuple[Any, Any]] = \
-            {"": (model, optimizer)} if model is not None or optimizer is not None else {}
-        self._modules.update(modules or {})
         super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
                          **values)
+        pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
+        for name, (module, optim) in {**pairs, **(modules or {})}.items():
+            self.bind(name, module, optim)
+        self._own("rng", Rng())
 
     def bind(self, name: str, model: Any, optimizer: Any = None) -> None:
-        """Host one more (model, optimizer) pair as ``name``, loading its values if this rank holds them (local)."""
-        self._modules[name] = (model, optimizer)
-        pre = f"{name}."
-        held = {k: self._values.pop(k) for k in [k for k in self._values if k.startswith(pre)]}
-        for k in held:
-            self._kinds.pop(k, None)
-        if held:
-            self._apply(held)
+        """Host one more (model, optimizer) pair as ``name`` ("" for ``model`` / ``optimizer``),
+        loading the values this rank took over for it, if any (local)."""
+        pre = f"{name}." if name else ""
+        for key, obj, handler in ((f"{pre}model", model, Module), (f"{pre}optim", optimizer, Stateful)):
+            if obj is None:
+                continue
+            if key in self._public:
+                raise ConfigError(f"state value {key!r} is the program's; TorchState keeps the model and the "
+                                  "optimizer under that name: rename the value")
+            held = self._handlers.get(key)
+            self._handlers[key] = handler(obj)
+            if isinstance(held, Held):
+                self._handlers[key].apply(key, held.arrays)
 
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
-        return sorted({k.split(".model.", 1)[0] for k in self._values if ".model." in k} - set(self._modules))
-
-    def _capture(self) -> dict[str, np.ndarray]:
-        import torch
-        arrays = super()._capture()
-        for name, (model, optimizer) in self._modules.items():
-            pre = f"{name}." if name else ""
-            if model is not None:
-                for key, tensor in model.state_dict().items():
-                    arrays[f"{pre}model.{key}"] = _tensor_array(tensor)
-            if optimizer is not None:
-                arrays.update(_split_value(f"{pre}optim", optimizer.state_dict()))
-        arrays["rng.torch"] = torch.get_rng_state().numpy()
-        arrays.update(_split_value("rng.numpy", np.random.get_state()))
-        arrays.update(_split_value("rng.python", random.getstate()))
-        return arrays
-
-    def _apply(self, arrays: Mapping[str, np.ndarray]) -> None:
-        import torch
-        owned = lambda k: k.startswith("rng.") or any(  # noqa: E731
-            k.startswith(f"{name}.model." if name else "model.") or k.startswith(f"{name}.optim." if name else "optim.")
-            for name in self._modules)
-        super()._apply({k: v for k, v in arrays.items() if not owned(k)})
-        for name, (model, optimizer) in self._modules.items():
-            pre = f"{name}." if name else ""
-            if model is not None and any(k.startswith(f"{pre}model.") for k in arrays):  # absent when all local
-                for key, tensor in model.state_dict().items():  # tensors that share the model's memory
-                    _copy_into(tensor, arrays[f"{pre}model.{key}"])
-            if optimizer is not None and f"{pre}optim{_STRUCTURE}" in arrays:
-                optimizer.load_state_dict(_join_value(f"{pre}optim", arrays, optimizer.state_dict()))
-        if "rng.torch" in arrays:
-            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"])))
-            np.random.set_state(_join_value("rng.numpy", arrays))
-            random.setstate(_join_value("rng.python", arrays))
-
-
-_STRUCTURE = ".__structure__"  # the name suffix of a structured value's JSON document
-
-
-def _split_value(name: str, tree: Any) -> dict[str, np.ndarray]:
-    """A nested value (a state_dict) as arrays: its structure as JSON under ``name.__structure__``,
-    each tensor or array under ``name.<path>`` (local)."""
-    doc, leaves = wire.split(tree, f"state value {name!r}")
-    out = {f"{name}{_STRUCTURE}": doc}
-    for path, leaf in leaves.items():
-        out[f"{name}.{path}"] = _tensor_array(leaf) if _is_tensor(leaf) else leaf
-    return out
-
-
-def _join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None) -> Any:
-    """The inverse of ``_split_value``: each tensor or array copied into ``current``'s at the same
-    path where it still fits (an optimizer then keeps its own tensors), else new (local)."""
-    have = wire.split(current, name)[1] if current is not None else {}
-
-    def leaf(path: str, kind: str) -> Any:
-        array, mine = arrays[f"{name}.{path}"], have.get(path)
-        if kind.startswith("torch:") and mine is not None and _is_tensor(mine) and \
-                tuple(mine.shape) == array.shape and _torch_kind(mine.dtype) == kind:
-            _copy_into(mine, array)
-            return mine
-        return from_array(array, kind)
-
-    return wire.join(arrays[f"{name}{_STRUCTURE}"], leaf)
-
-
-def _copy_into(tensor: Any, array: np.ndarray) -> None:
-    """Copy a (read-only) array into a tensor's memory, once: no intermediate copy."""
-    import warnings
-
-    import torch
-    with warnings.catch_warnings():  # torch warns on read-only arrays; the array is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(array)
-    if tensor.dtype == torch.bfloat16:
-        source = source.view(torch.bfloat16)
-    with torch.no_grad():
-        tensor.copy_(source.reshape(tensor.shape))
+        return sorted(n.removesuffix(".model") for n, h in self._handlers.items()
+                      if isinstance(h, Held) and h.label == Module.label and n.endswith(".model"))

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Generator, Mapping, Sequence
 
 import pytest
 
@@ -118,12 +118,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "(the other ranks may then wait for it for ever)")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport,
+                                                                                     pytest.TestReport]:
+    report = yield
     if not report.failed or not _in_a_multirank_suite(item.config):
-        return
+        return report
     rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "?"
     sys.stderr.write(f"\n[elastic.testing] rank {rank}: {item.nodeid} failed ({report.when}); aborting the job, "
                      f"whose other ranks would wait for this one (--mpi-keep-going: do not)\n"
@@ -131,6 +131,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     sys.stderr.flush()
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)
+    return report  # not reached
 
 
 def _in_a_multirank_suite(config: pytest.Config) -> bool:

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 import elastic
 from elastic.comm import wire
-from elastic._state import _join_value, _split_value, from_array, kind_of, to_array
+from elastic._handlers import from_array, kind_of, to_array
+from elastic._handlers import join_value as _join_value
+from elastic._handlers import split_value as _split_value
 from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
 from elastic.report import ettr, timeline, trace
@@ -175,6 +177,40 @@ def test_no_restore_path_unpickles(monkeypatch):
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load in a restore path"))
     state._apply(arrays)
     assert _digest(state._capture()) == before
+
+
+def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
+    """A removed rank's values (a pipeline stage with its optimizer, a plain shard, a plain
+    state_dict) come to a survivor as the same kinds: the plain ones at once, the stage held until
+    ``bind`` loads it into the module and optimizer the survivor makes for it."""
+    class _World:
+        size, rank, logical_rank, alone = 2, 0, 0, False
+
+    removed = _stateful_objects()
+    owner = elastic.TorchState(_World(), modules={"s2": (removed["model"], removed["optimizer"])},
+                               **{"adam.3.m": np.arange(4.0), "notes": {"epoch": 2, "w": torch.ones(2)}})
+    arrays = {k: np.array(v) for k, v in owner._capture().items()}
+    survivor = elastic.TorchState(_World(), model=torch.nn.Linear(3, 2), step=7)
+    mine = _digest(survivor._capture())
+    survivor._apply(arrays, adopting=True)
+    assert survivor.unbound() == ["s2"]
+    assert sorted(survivor.names()) == ["adam.3.m", "notes", "step"]
+    assert np.array_equal(survivor["adam.3.m"], np.arange(4.0)) and survivor["notes"]["epoch"] == 2
+    assert survivor.step == 7 and _digest(survivor._capture()) != mine  # its own kept, the new ones added
+    fresh = _stateful_objects(steps=5)
+    survivor.bind("s2", fresh["model"], fresh["optimizer"])
+    assert survivor.unbound() == []
+    assert _digest(fresh["model"].state_dict()) == _digest(removed["model"].state_dict())
+    assert _digest(fresh["optimizer"].state_dict()) == _digest(removed["optimizer"].state_dict())
+
+
+def test_the_state_keeps_its_own_names():
+    class _World:
+        size, rank, logical_rank, alone = 2, 0, 0, False
+    state = elastic.TorchState(_World(), model=torch.nn.Linear(3, 2))
+    with pytest.raises(elastic.ConfigError, match="'rng'.*choose another"):
+        state["rng"] = 1
+    assert "model" not in state and list(state.names()) == []
 
 
 # ------------------------------------------------------------------ batches
