@@ -31,8 +31,9 @@ def main() -> None:
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=8, enabled=args.scaler)
     world = elastic.init()
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, scheduler=scheduler, step=0)
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, step=0)
     sampler = elastic.data.GlobalBatchSampler(world, len(dataset), args.batch, step=lambda: state.step,
                                               seed=args.seed)
     loader = DataLoader(dataset, batch_sampler=sampler)
@@ -46,11 +47,13 @@ def main() -> None:
                 world.fault_point(state.step)  # the launcher's --inject, for tests; a no-op otherwise
                 optimizer.zero_grad()
                 share = F.cross_entropy(model(x), y, reduction="sum") / args.batch  # summed: the global mean
-                share.backward()
+                scaler.scale(share).backward()
                 elastic.allreduce_gradients(world, model)
+                scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 state.step += 1
                 # The global loss, and which samples the ranks used (a count and an exact sum).
                 tally = np.array([float(share), len(y), float((x.flatten(1).sum(1) * 1000).round().long().sum())])
@@ -72,7 +75,7 @@ def main() -> None:
               f"model sha256 {digest(model.state_dict())}", flush=True)
         world.record_result(steps=state.step, size=world.size, final_loss=loss,
                             model_sha256=digest(model.state_dict()), optimizer_sha256=digest(optimizer.state_dict()),
-                            scheduler_lr=scheduler.get_last_lr()[0])
+                            scheduler_lr=scheduler.get_last_lr()[0], scaler_scale=scaler.get_scale())
 
 
 if __name__ == "__main__":

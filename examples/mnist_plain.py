@@ -42,6 +42,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scaler", action="store_true", help="loss scaling with a GradScaler, as mixed precision does")
     return parser.parse_args()
 
 
@@ -52,14 +53,17 @@ def main() -> None:
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=8, enabled=args.scaler)
     loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True)
     for epoch in range(args.epochs):
         for x, y in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
         scheduler.step()
         print(f"epoch {epoch} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.5f}")
 

@@ -142,11 +142,15 @@ MNIST = ("examples/mnist.py", "--epochs", "2")
 
 
 def test_ported_script_with_a_spare_is_bitwise(tmp_path, reference):
-    ref = reference(MNIST)
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@34", program=MNIST)
+    # With loss scaling: the GradScaler doubles its scale every 8 steps (2^16 -> 2^24 in 64 steps),
+    # so one left outside the State would end a doubling ahead after the roll-back from 34 to 30.
+    program = MNIST + ("--scaler",)
+    ref = reference(program)
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@34", program=program)
     assert_bitwise(job, ref, "optimizer_sha256")
     assert [e["step"] for e in job.of("inject")] == [34]
     assert job.result["scheduler_lr"] == ref["result"]["scheduler_lr"]
+    assert job.result["scaler_scale"] == ref["result"]["scaler_scale"] == 2.0 ** 24
     assert_same_learning_rates(job, ref, rates=2)
 
 
