@@ -119,7 +119,9 @@ def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) ->
         injection = outcome.get("injection", {})
         where = f"step {injection['step']}" if injection.get("step") is not None else injection.get("point")
         then = describe_end(None, fate) if fate is not None and fate["end"] != "died" else None
-        return {"what": f"injected {injection.get('action')} at {where}" + (f", then {then['what']}" if then else ""),
+        action = injection.get("action")
+        what = f"killed its node ({outcome.get('host')}) by injection" if action == "node" else f"injected {action}"
+        return {"what": f"{what} at {where}" + (f", then {then['what']}" if then else ""),
                 "step": outcome.get("step"), "injected": True, "software": False}
     if outcome is not None and outcome["status"] == "spawn-abandoned":
         return {"what": "a spawned replacement given up by its parents (a failure during the spawn)",

@@ -25,7 +25,10 @@ Actions: ``kill`` (SIGKILL), ``exit`` (``os._exit(3)``: a non-zero exit
 without a signal), ``raise`` (``InjectedFault``, an exception in user code),
 ``hang`` (SIGSTOP: found by the sentinel's heartbeat, or ``--detector``),
 ``stall`` (alive and beating, but stuck for ever, like a deadlock or a read
-that never returns: found by the progress timeout).
+that never returns: found by the progress timeout), ``node`` (the rank's whole
+node: its runtime daemon and every process under it, frozen at once, then
+killed; only on simulated nodes, whose memory dies with them: the launcher
+writes ``nodeK@STEP`` as this on node K's first rank).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from .wire import message
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
-ACTIONS = ("kill", "exit", "raise", "hang", "stall")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node")
 STEP_POINTS = ("step", "collective", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
@@ -136,5 +139,45 @@ class FaultInjector:
                 elif entry.action == "stall":
                     while True:
                         time.sleep(3600)
+                elif entry.action == "node":
+                    _kill_node()
                 else:
                     raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")
+
+
+def _kill_node() -> None:
+    """SIGKILL this process's node: the runtime daemon above it (``prted``) and all it started."""
+    daemon = os.getpid()
+    while daemon > 1 and _proc_field(daemon, "comm") != "prted":
+        daemon = int(_proc_field(daemon, "ppid") or 1)
+    if daemon <= 1:  # no node daemon above (mpiexec runs this host's ranks itself): the process only
+        os.kill(os.getpid(), signal.SIGKILL)
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            parent = _proc_field(int(entry.name), "ppid")
+            if parent:
+                children.setdefault(int(parent), []).append(int(entry.name))
+    node, todo = [], [daemon]
+    while todo:
+        pid = todo.pop()
+        node.append(pid)
+        todo.extend(children.get(pid, []))
+    others = [p for p in node if p != os.getpid()]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: nothing on the node reacts to the rest dying
+        for pid in others:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _proc_field(pid: int, field: str) -> str | None:
+    """``comm`` or ``ppid`` of a process, from /proc (None when it is gone)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return comm if field == "comm" else rest[1]

@@ -2,6 +2,7 @@
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@10 -- python examples/jacobi.py
     python -m elastic.launch --slurm --spares 1 -- python examples/train.py   # inside sbatch / salloc
+    python -m elastic.launch --simulate-nodes 2 -n 4 --spares 1 -- python examples/train.py   # fake nodes
 
 Every rank runs under a sentinel (``elastic.comm._sentinel``) that makes each
 way a rank can end or stall (a crash, a non-zero exit, an exception, a hang) a
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,11 +33,15 @@ from elastic.comm import Config, ConfigError, Injection, read_events, read_fates
 from elastic.comm._events import describe_end
 from elastic.comm._lazy import keep_mpi_uninitialized
 
+from . import _nodes
+
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
 # Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
 _NOISE = b"NBC_Progress: an error"
+# PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
+_LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
 
 keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here
 
@@ -69,6 +75,11 @@ def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
     if args.hosts:
         cmd += ["--host", ",".join(f"{h}:{n}" for h, n in args.hosts)]
         slots = sum(n for _, n in args.hosts)
+    if len(args.hosts) > 1:
+        for key, value in _nodes.MULTI_NODE_MCA:
+            cmd += ["--mca", key, value]
+    if args.simulate_nodes:
+        cmd += ["--map-by", f"ppr:{args.hosts[0][1]}:node", "--mca", "plm_rsh_agent", str(args.agent)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if args.oversubscribe or nprocs > slots:
@@ -179,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run on the Slurm allocation around this launcher: its nodes and task slots "
                              "(each node is a failure domain for the replicated store)")
     parser.add_argument("--host", help="hosts and their slots as mpirun takes them, e.g. nodea:4,nodeb:4")
+    parser.add_argument("--simulate-nodes", type=int, metavar="N",
+                        help="a test bed: N fake nodes on this machine (own hostname, own /dev/shm, TCP between "
+                             "them; root); ranks fill them in order; inject nodeK@STEP to kill node K")
     parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
@@ -212,8 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the program after --, e.g. -- python examples/jacobi.py")
-    if args.slurm and args.host:
-        parser.error("give --slurm (the allocation's hosts) or --host, not both")
+    if sum(map(bool, (args.slurm, args.host, args.simulate_nodes))) > 1:
+        parser.error("give one of --slurm (the allocation's hosts), --host and --simulate-nodes")
     args.hosts = slurm_allocation() if args.slurm else _hosts(args.host, parser) if args.host else []
     if args.nprocs is None:
         if not args.slurm:
@@ -221,6 +235,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.nprocs = sum(n for _, n in args.hosts) - args.spares
     if args.nprocs < 1 or args.spares < 0:
         parser.error("-n must be >= 1 and --spares >= 0")
+    if args.simulate_nodes is not None:
+        if args.simulate_nodes < 1:
+            parser.error("--simulate-nodes must be >= 1")
+        try:
+            _nodes.check_can_simulate()
+        except ConfigError as exc:
+            parser.error(str(exc))
+        args.hosts = _nodes.simulated_hosts(args.simulate_nodes, args.nprocs + args.spares)
+    try:
+        args.inject = _nodes.node_injections(args.inject, args.hosts, args.nprocs) if args.simulate_nodes \
+            else args.inject
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.grace < 0:
         parser.error("--grace must be >= 0 seconds")
     if args.timeout is not None and args.timeout <= 0:
@@ -262,6 +289,9 @@ def _validate(args: argparse.Namespace) -> None:
         elif entry.rank >= args.nprocs:
             raise ConfigError(f"injection {entry.to_dict()}: logical rank {entry.rank} does not exist with "
                               f"-n {args.nprocs} (ranks 0..{args.nprocs - 1})")
+        if entry.action == "node" and not args.simulate_nodes:
+            raise ConfigError(f"injection {entry.to_dict()} kills a whole node: only simulated nodes "
+                              "(--simulate-nodes N, then nodeK@STEP) are killed this way")
         if entry.action == "hang" and not config.hang_timeout and not args.detector:
             raise ConfigError(f"injection {entry.to_dict()} hangs a rank, but --hang-timeout 0 turned the "
                               "heartbeat off and --detector is not on: nothing would ever notice it")
@@ -280,6 +310,7 @@ class _Output(threading.Thread):
     def __init__(self, source: IO[bytes], sink: Any) -> None:
         super().__init__(daemon=True)
         self.source, self.sink, self.hidden = source, sink, 0
+        self.lost_nodes: list[str] = []
 
     def run(self) -> None:
         after_noise = False
@@ -289,6 +320,9 @@ class _Output(threading.Thread):
                 after_noise = True
                 continue
             after_noise = False
+            lost = _LOST_NODE.search(line)
+            if lost:
+                self.lost_nodes.append(lost.group(1).decode(errors="replace"))
             self.sink.buffer.write(line.replace(b"\0", b""))  # prterun's stream can carry a stray NUL
             self.sink.flush()
 
@@ -313,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     for stale in [p for pattern in ("outcome-*.json", "events-*.jsonl", "fate-*.json", "summary.json")
                   for p in args.run_dir.glob(pattern)]:
         stale.unlink()
+    if args.simulate_nodes:
+        args.agent = _nodes.write_agent(args.run_dir)
     cmd = build_command(args, args.nprocs + args.spares)
     if not args.quiet:
         print(f"[launch] {' '.join(cmd)}", flush=True)
@@ -376,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     if hidden:
         notes.append(f"({hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
                      "by a failure, expected)")
+    lost = sorted({node for output in outputs for node in output.lost_nodes})
+    if lost:
+        notes.append(f"node(s) {', '.join(lost)} lost with every process on them: Open MPI 5.0's runtime ends the "
+                     "whole job when a node's daemon dies, and the state in memory goes with it (surviving a "
+                     "node's loss needs a relaunch from the other nodes' memory, not built yet)")
     if leftovers and not stopping:
         notes.append(f"killed {len(leftovers)} processes left behind by the job")
     _report(summary, args.run_dir, notes)
