@@ -7,7 +7,8 @@ the fields, then their bytes) cut into chunks. Every chunk is copied to
 
 A commit is two-phase and moves bytes once: the pieces leave straight from the
 caller's arrays (no packing copy first), each holder checksums what it
-received (XXH3, off the sender's path), then a ULFM vote (uniform: it succeeds
+received (XXH3, in a thread that runs on while the commit and the next steps
+do: xxhash lets go of the GIL), then a ULFM vote (uniform: it succeeds
 everywhere or fails everywhere) makes the version current, and only then does
 each rank copy its arrays into its own roll-back payload, in the buffer of the
 version it retires. A failure anywhere in a commit leaves the last agreed
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -112,6 +114,7 @@ class ReplicatedStore:
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
+        self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
 
     # ------------------------------------------------------------ user calls
     @property
@@ -175,6 +178,7 @@ class ReplicatedStore:
             DataLost: every replica of some chunk died (same error on every rank).
             ProcessFailure: another failure during recovery; recover the world again, then this.
         """
+        self._settle()
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
@@ -216,6 +220,7 @@ class ReplicatedStore:
 
     # -------------------------------------------------------------- commit
     def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int) -> None:
+        self._settle()  # the last commit's checksums, before any buffer changes hands
         world = self.world
         me = int(world.logical_rank)
         t0 = time.perf_counter()
@@ -257,8 +262,7 @@ class ReplicatedStore:
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()
-            for h in held.values():  # the holder checks what it keeps, off the senders' path
-                h.sums = self._sums(h.data)
+            self._hash_later(held)  # the holder checks what it keeps, off everyone's path
             t3 = time.perf_counter()
         except ProcessFailure as exc:
             error = exc
@@ -275,7 +279,7 @@ class ReplicatedStore:
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
                           durations={"prepare": t1 - t0, "exchange": t2 - t1, "checksum": t3 - t2,
                                      "vote": t4 - t3, "pack": time.perf_counter() - t4},
-                          payload_bytes=int(total), held_chunks=sum(len(h.sums) for h in held.values()),
+                          payload_bytes=int(total), held_chunks=sum(h.piece.count for h in held.values()),
                           replicated=True)
 
     def _check_together(self, version: int, bad_input: str | None) -> None:
@@ -368,8 +372,25 @@ class ReplicatedStore:
         return self._current.held[(p.owner, p.copy, p.first)]
 
     def _intact(self, p: Piece) -> bool:
+        self._settle()
         held = self._held(p)
         return self._sums(held.data) == held.sums
+
+    def _hash_later(self, held: Mapping[tuple[int, int, int], _Held]) -> None:
+        """Checksum the copies just received in a thread (xxhash lets go of the GIL): the commit and
+        the steps after it go on meanwhile. Anything that reads the sums or reuses the buffers
+        waits for it (``_settle``)."""
+        def run() -> None:
+            for h in held.values():
+                h.sums = self._sums(h.data)
+        self._settle()
+        self._hashing = threading.Thread(target=run, name="elastic-store-checksums", daemon=True)
+        self._hashing.start()
+
+    def _settle(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+            self._hashing = None
 
     # -------------------------------------------------------------- moving bytes
     def _receive_buffer(self, nbytes: int) -> np.ndarray:
