@@ -13,6 +13,13 @@ from elastic.recovery import Policy
 from ._state import State
 
 T = TypeVar("T")
+# Data planes besides MPI (elastic.distributed): how each tells a peer's death from other errors,
+# and how it lets go of its collectives so that no rank waits in one while the others rebuild.
+_DATA_PLANES: list[tuple[Callable[[BaseException], bool], Callable[[], None]]] = []
+
+
+def register_data_plane(is_peer_failure: Callable[[BaseException], bool], abort: Callable[[], None]) -> None:
+    _DATA_PLANES.append((is_peer_failure, abort))
 
 
 def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
@@ -82,7 +89,11 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 state.commit()
                 world.finish()
                 return result
-            except ProcessFailure:
+            except Exception as exc:
+                if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
+                    raise
+                for _, abort in _DATA_PLANES:
+                    abort()
                 world.recover(state.outlook)
                 reset = True
 

@@ -1,0 +1,139 @@
+"""torch.distributed over the World: a process group per generation, and DDP that follows it.
+
+ULFM is the control plane (it sees a death, agrees on who is left, rebuilds);
+``torch.distributed`` is the data plane users already write against. After
+``elastic.init()`` and after every rebuild, ``ProcessGroup`` makes a new
+default process group over the active ranks in current-rank order (logical
+order), bootstrapped through the World: current rank 0 opens a ``TCPStore``
+on a free port and broadcasts its address over MPI, so nothing else needs to
+be set. The old group is destroyed first (a Gloo group whose peer died in the
+middle of a collective goes without waiting). ``DistributedDataParallel``
+wraps a model in torch's DDP over the current group and wraps it again after
+each rebuild; the optimizer and the State keep the same parameters.
+
+A collective of the group that fails because a peer died (Gloo reports the
+closed connection at once) raises in the program; ``elastic.run`` treats it
+as the ``ProcessFailure`` the MPI side would raise (``is_peer_failure``), so
+the job recovers as usual. A stopped peer is found by the sentinel's
+heartbeat (``--hang-timeout``), which kills it: its connections close and the
+group's collectives fail at once. CPU: Gloo. NCCL (``backend="nccl"``) is the
+GPU path; it is not exercised on this machine (no GPU).
+
+Multi-node: rank 0's address is its hostname's; Gloo picks its interface from
+the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.comm import World
+
+from ._loop import register_data_plane
+
+_FAILURE_WORDS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL error",
+                  "ProcessGroupNCCL", "Broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a data-plane collective failing because a peer is gone (local)."""
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())) or isinstance(exc, getattr(dist, "DistBackendError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc) for word in _FAILURE_WORDS)
+
+
+class ProcessGroup:
+    """The default ``torch.distributed`` group over the World's active ranks, made again after each
+    rebuild (collective when it is made: every active rank reaches ``group`` at the same point).
+
+    ``timeout``: how long one of the group's collectives may wait; after a failure, the bound on a
+    rank waiting for a peer that left the collective for the recovery (and a healthy collective
+    must not wait longer than this for its slowest rank)."""
+
+    def __init__(self, world: World, backend: str | None = None, timeout: float = 60.0) -> None:
+        self.world = world
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self._generation: int | None = None
+        self._store: Any = None
+
+    @property
+    def group(self) -> Any:
+        """The group of the current generation (made on first use after a rebuild)."""
+        if self._generation != self.world.generation or not dist.is_initialized():
+            self._make()
+        return dist.group.WORLD
+
+    @property
+    def stale(self) -> bool:
+        return self._generation != self.world.generation
+
+    def _make(self) -> None:
+        world = self.world
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        host, port = None, None
+        if world.rank == 0:
+            host = _address()
+            self._store = dist.TCPStore(host, 0, world.size, True, timeout=self.timeout, wait_for_workers=False)
+            port = self._store.port
+        host, port = world.bcast((host, port), root=0)
+        if world.rank != 0:
+            self._store = dist.TCPStore(host, port, world.size, False, timeout=self.timeout)
+        prefixed = dist.PrefixStore(f"elastic/{world.generation}", self._store)
+        dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
+                                timeout=self.timeout)
+        self._generation = world.generation
+        world.events.emit("process_group", backend=self.backend, size=world.size, generation=world.generation)
+
+
+class DistributedDataParallel:
+    """``torch.nn.parallel.DistributedDataParallel`` over the World's current group, wrapped again
+    after every rebuild. Put ``module`` (not this wrapper) in the State; call this for the forward.
+
+    DDP averages gradients over the ranks: for the global mean of a global batch shared unevenly
+    (``GlobalBatches``), make each rank's loss ``sum over its samples * world.size / global batch``.
+
+    Each parameter is its own bucket unless ``ddp_options`` say otherwise: DDP buckets a fresh
+    wrapper's first step in another layout than its later ones, and a ring all-reduce rounds
+    each element by where it lies in its bucket, so after a re-wrap the sums would differ in
+    the last bits from a run that never re-wrapped. One parameter per bucket lays every element
+    out the same way in every layout: a substitution is then bitwise the failure-free run.
+    Pass ``bucket_cap_mb=...`` for fewer, larger all-reduces when bits do not matter.
+    """
+
+    def __init__(self, world: World, module: torch.nn.Module, process_group: ProcessGroup | None = None,
+                 **ddp_options: Any) -> None:
+        self.module = module
+        self._pg = process_group or ProcessGroup(world)
+        self._options = ddp_options if "bucket_cap_mb" in ddp_options or "bucket_cap_mb_list" in ddp_options \
+            else {**ddp_options, "bucket_cap_mb_list": [1e-6]}
+        self._ddp: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ddp is None or self._pg.stale:
+            self._ddp = None  # its reducer belongs to the old group
+            group = self._pg.group
+            self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._options)
+        return self._ddp(*args, **kwargs)
+
+
+def abort() -> None:
+    """Destroy the current group at once (local): after a failure, so that peers blocked in one of
+    its collectives see their connections close and join the recovery instead of waiting."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+register_data_plane(is_peer_failure, abort)
+
+
+def _address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

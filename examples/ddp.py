@@ -1,0 +1,74 @@
+"""examples/train.py written with torch's DistributedDataParallel over the World's process group.
+
+The model, data and optimizer of train.py; gradients are all-reduced by DDP
+(Gloo on CPU) during the backward pass instead of by ``allreduce_gradients``
+after it. ``elastic.distributed.DistributedDataParallel`` wraps the model
+again after every rebuild, over a process group of the new generation;
+the State holds the model itself, so the roll-back and the optimizer keep the
+same parameters.
+
+    python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/ddp.py --steps 40
+
+With a spare or a spawned replacement the final model and optimizer are bitwise
+those of a failure-free run; after a shrink the global batches stay the same.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+import elastic
+import elastic.distributed
+from train import add_arguments, digest, report, setup
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--group-timeout", type=float, default=30.0,
+                        help="seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
+    args = parser.parse_args()
+    x, y, model = setup(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    world = elastic.init()
+    torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
+                               loss=float("nan"))
+    batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+    ddp = elastic.distributed.DistributedDataParallel(
+        world, model, elastic.distributed.ProcessGroup(world, timeout=args.group_timeout))
+
+    @elastic.run
+    def train(world: elastic.World, state: elastic.TorchState) -> float:
+        while state.step < args.steps:
+            world.fault_point(state.step)
+            optimizer.zero_grad()
+            mine = batches.shard(state.step, world)
+            idx = torch.from_numpy(mine)
+            # DDP averages over the ranks: times the world size over the global batch gives the
+            # global mean whatever share each rank has (4 ranks or 3).
+            share = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx], reduction="sum")
+            (share * world.size / args.batch).backward()  # DDP all-reduces the gradients in here
+            optimizer.step()
+            # The global loss, and which samples the ranks used (count, sum, sum of squares).
+            tally = np.array([float(share.detach()) / args.batch, len(mine), mine.sum(),
+                              (mine.astype(np.float64) ** 2).sum()])
+            world.allreduce([tally])
+            state.step += 1
+            state.loss = float(tally[0])
+            state.record_step(state.step, state.loss, total=args.steps, samples=tally[1:].tolist())
+            if state.step % args.commit_every == 0:
+                state.commit()
+        return state.loss
+
+    loss = train(world, state)
+    report(world, state, loss, model_sha256=digest(model.state_dict()),
+           optimizer_sha256=digest(optimizer.state_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
