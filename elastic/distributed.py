@@ -109,6 +109,7 @@ class DistributedDataParallel:
     def __init__(self, world: World, module: torch.nn.Module, process_group: ProcessGroup | None = None,
                  **ddp_options: Any) -> None:
         self.module = module
+        self._world = world
         self._pg = process_group or ProcessGroup(world)
         self._options = ddp_options if "bucket_cap_mb" in ddp_options or "bucket_cap_mb_list" in ddp_options \
             else {**ddp_options, "bucket_cap_mb_list": [1e-6]}
@@ -119,7 +120,24 @@ class DistributedDataParallel:
             self._ddp = None  # its reducer belongs to the old group
             group = self._pg.group
             self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._options)
+            if self._world.config.inject:  # the launcher's R@cS faults fire inside DDP's all-reduce
+                self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
         return self._ddp(*args, **kwargs)
+
+
+def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Future:
+    """DDP's default all-reduce (divide by the group's size, then sum: the same bits), after the
+    ``collective`` fault point of the step the World is at: ``1@c20`` kills rank 1 in the middle
+    of step 20's backward, inside DDP's all-reduce."""
+    world.fault_point(world.step, "collective")
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
+_allreduce_with_fault_point.__annotations__ = {"bucket": dist.GradBucket,
+                                               "return": torch.futures.Future[torch.Tensor]}
 
 
 def abort() -> None:

@@ -31,6 +31,22 @@ def test_ddp_with_a_spare_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
+def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference):
+    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce hook.
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP)
+    assert_bitwise(job, reference(DDP), "optimizer_sha256")
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 20)]
+
+
+@pytest.mark.fault
+def test_ddp_survives_two_failures_in_sequence_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@27/g1", program=DDP)
+    assert_bitwise(job, reference(DDP), "optimizer_sha256")
+    assert [e["logical"] for e in job.of("promoted")] == [1, 2]
+    assert sorted({e["generation"] for e in job.of("process_group")}) == [0, 1, 2]
+
+
+@pytest.mark.fault
 def test_ddp_with_a_spawned_replacement_is_bitwise(tmp_path, reference):
     job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "2@20", program=DDP)
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
