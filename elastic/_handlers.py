@@ -28,19 +28,17 @@ STRUCTURE = ".__structure__"  # the name suffix of a structured value's JSON doc
 
 
 class Handler:
-    """One State value's arrays (local)."""
+    """One State value's arrays (local). ``value``: what ``state[name]`` gives back."""
 
     label = ""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
 
     def capture(self, name: str) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        raise NotImplementedError
-
-    @property
-    def value(self) -> Any:
-        """What ``state[name]`` gives back."""
         raise NotImplementedError
 
 
@@ -48,18 +46,14 @@ class Plain(Handler):
     """A number, numpy array or tensor: rolled back into the same array or tensor where it fits."""
 
     def __init__(self, value: Any, kind: str) -> None:
-        self._value, self.kind = value, kind
-        self.label = f"plain:{kind}"
-
-    @property
-    def value(self) -> Any:
-        return self._value
+        super().__init__(value)
+        self.kind, self.label = kind, f"plain:{kind}"
 
     def capture(self, name: str) -> dict[str, np.ndarray]:
-        return {name: to_array(name, self._value)[0]}
+        return {name: to_array(name, self.value)[0]}
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        array, current = arrays[name], self._value
+        array, current = arrays[name], self.value
         if self.kind == "numpy" and isinstance(current, np.ndarray) and current.flags.writeable and \
                 current.shape == array.shape and current.dtype == array.dtype:
             current[...] = array
@@ -67,7 +61,7 @@ class Plain(Handler):
                 torch_kind(current.dtype) == self.kind:
             copy_into(current, array)
         else:
-            self._value = from_array(array, self.kind)
+            self.value = from_array(array, self.kind)
 
 
 class Stateful(Handler):
@@ -76,18 +70,11 @@ class Stateful(Handler):
 
     label = "stateful"
 
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
-
-    @property
-    def value(self) -> Any:
-        return self._obj
-
     def capture(self, name: str) -> dict[str, np.ndarray]:
-        return split_value(name, self._obj.state_dict())
+        return split_value(name, self.value.state_dict())
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        self._obj.load_state_dict(join_value(name, arrays, self._obj.state_dict()))
+        self.value.load_state_dict(join_value(name, arrays, self.value.state_dict()))
 
 
 class Tree(Handler):
@@ -95,18 +82,11 @@ class Tree(Handler):
 
     label = "tree"
 
-    def __init__(self, tree: Any) -> None:
-        self._tree = tree
-
-    @property
-    def value(self) -> Any:
-        return self._tree
-
     def capture(self, name: str) -> dict[str, np.ndarray]:
-        return split_value(name, self._tree)
+        return split_value(name, self.value)
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        self._tree = join_value(name, arrays, self._tree)
+        self.value = join_value(name, arrays, self.value)
 
 
 class Module(Handler):
@@ -114,18 +94,11 @@ class Module(Handler):
 
     label = "module"
 
-    def __init__(self, module: Any) -> None:
-        self._module = module
-
-    @property
-    def value(self) -> Any:
-        return self._module
-
     def capture(self, name: str) -> dict[str, np.ndarray]:
-        return {f"{name}.{key}": tensor_array(t) for key, t in self._module.state_dict().items()}
+        return {f"{name}.{key}": tensor_array(t) for key, t in self.value.state_dict().items()}
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        for key, tensor in self._module.state_dict().items():  # tensors that share the module's memory
+        for key, tensor in self.value.state_dict().items():  # tensors that share the module's memory
             copy_into(tensor, arrays[f"{name}.{key}"])
 
 
@@ -133,10 +106,6 @@ class Rng(Handler):
     """This process's torch, numpy and python random states."""
 
     label = "rng"
-
-    @property
-    def value(self) -> Any:
-        return None
 
     def capture(self, name: str) -> dict[str, np.ndarray]:
         import torch
@@ -157,18 +126,15 @@ class Held(Handler):
     committed as they are until the program hands one over (``TorchState.bind``)."""
 
     def __init__(self, label: str, arrays: Mapping[str, np.ndarray]) -> None:
+        super().__init__()
         self.label = label
-        self.arrays = {k: np.array(v) for k, v in arrays.items()}
-
-    @property
-    def value(self) -> Any:
-        return self.arrays
+        self.apply("", arrays)
 
     def capture(self, name: str) -> dict[str, np.ndarray]:
-        return dict(self.arrays)
+        return dict(self.value)
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        self.arrays = {k: np.array(v) for k, v in arrays.items()}
+        self.value = {k: np.array(v) for k, v in arrays.items()}
 
 
 def for_value(name: str, value: Any) -> Handler:

@@ -318,7 +318,7 @@ class TorchState(State):
             held = self._handlers.get(key)
             self._handlers[key] = handler(obj)
             if isinstance(held, Held):
-                self._handlers[key].apply(key, held.arrays)
+                self._handlers[key].apply(key, held.value)
 
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
