@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic.comm import World
 
@@ -64,7 +65,7 @@ class ProcessGroup:
     @property
     def group(self) -> Any:
         """The group of the current generation (made on first use after a rebuild)."""
-        if self._generation != self.world.generation or not dist.is_initialized():
+        if self.stale or not dist.is_initialized():
             self._make()
         return dist.group.WORLD
 
@@ -126,13 +127,13 @@ class DistributedDataParallel:
 
 
 def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Future:
-    """DDP's default all-reduce (divide by the group's size, then sum: the same bits), after the
+    """DDP's default all-reduce (torch's own hook: the same bits), after the
     ``collective`` fault point of the step the World is at: ``1@c20`` kills rank 1 in the middle
     of step 20's backward, inside DDP's all-reduce."""
     world.fault_point(world.step, "collective")
-    buffer = bucket.buffer()
-    buffer.div_(dist.get_world_size())
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    group = dist.group.WORLD  # the default group: the one DDP wraps
+    assert group is not None
+    return default_hooks.allreduce_hook(group, bucket)
 
 
 # DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).

@@ -379,11 +379,10 @@ class ReplicatedStore:
     def _hash_later(self, held: Mapping[tuple[int, int, int], _Held]) -> None:
         """Checksum the copies just received in a thread (xxhash lets go of the GIL): the commit and
         the steps after it go on meanwhile. Anything that reads the sums or reuses the buffers
-        waits for it (``_settle``)."""
+        waits for it (``_settle``; ``_commit`` already did for the last one)."""
         def run() -> None:
             for h in held.values():
                 h.sums = self._sums(h.data)
-        self._settle()
         self._hashing = threading.Thread(target=run, name="elastic-store-checksums", daemon=True)
         self._hashing.start()
 
