@@ -36,8 +36,10 @@ from elastic.comm import World
 
 from ._loop import register_data_plane
 
+# A peer gone, or one that did not answer within the group's timeout (a stopped process: the
+# recovery's agreement then waits for the sentinel to kill it).
 _FAILURE_WORDS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL error",
-                  "ProcessGroupNCCL", "Broken pipe")
+                  "ProcessGroupNCCL", "Broken pipe", "Application timeout caused pair closure", "Timed out waiting")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
