@@ -32,7 +32,35 @@ def _flag(text: str) -> bool:
     raise ValueError("give 1 or 0")
 
 
+@message
+@dataclasses.dataclass(frozen=True)
+class Relaunch:
+    """What a relaunch of the job (tier 2: the runtime was lost, a node with it) starts from, set by the
+    launcher: the membership table (universe rank -> logical rank, -1 a parked spare) and how the
+    logical ranks were filled. Every process of the relaunch starts as a replacement and gets the
+    state back from the nodes' memory (the store's node copies)."""
+
+    count: int                       # relaunches so far, this one included
+    generation: int                  # the first generation of this launch (after the lost one's last)
+    table: tuple[int, ...]
+    initial_size: int                # the job's first size (what the programs shard by)
+    failed: tuple[int, ...] = ()     # logical ranks whose processes were lost with their nodes
+    replaced: tuple[int, ...] = ()   # those now on spare nodes
+    removed: tuple[int, ...] = ()    # those dropped (no spare node): survivors adopt their state
+    lost_nodes: tuple[str, ...] = ()
+    committed: bool = False          # a version was agreed before: the nodes' memory must give it back
+
+
+def _relaunch(text: str) -> Relaunch | None:
+    if not text:
+        return None
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()}
+    return Relaunch(**fields)
+
+
 def _text(value: Any) -> str:
+    if isinstance(value, Relaunch):
+        return json.dumps(dataclasses.asdict(value))
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, tuple) and value and isinstance(value[0], Injection):
@@ -67,6 +95,9 @@ class Config:
         log_level: the ``elastic`` loggers' level (DEBUG also logs every event as it happens).
         progress_every / progress_seconds: a progress line on rank 0 every that many steps
             and/or seconds (0: not by that measure).
+        node_store: a directory in node memory (``/dev/shm/elastic-<job>``) where the store keeps
+            each rank's committed version as files that outlive the processes (tier 2; None: off).
+        relaunch: set by the launcher on a relaunch (``Relaunch``).
     """
 
     spares: int = 0
@@ -86,6 +117,8 @@ class Config:
     log_level: str = "INFO"
     progress_every: int = 10
     progress_seconds: float = 0.0
+    node_store: str | None = None
+    relaunch: Relaunch | None = None
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
@@ -142,6 +175,7 @@ ENV = {
     "hang_timeout": "ELASTIC_HANG_TIMEOUT", "progress_timeout": "ELASTIC_PROGRESS_TIMEOUT",
     "term_grace": "ELASTIC_TERM_GRACE", "require_ulfm": "ELASTIC_REQUIRE_ULFM", "log_level": "ELASTIC_LOG_LEVEL",
     "progress_every": "ELASTIC_PROGRESS_EVERY", "progress_seconds": "ELASTIC_PROGRESS_SECONDS",
+    "node_store": "ELASTIC_NODE_STORE", "relaunch": "ELASTIC_RELAUNCH",
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _PARSE: dict[str, Callable[[str], Any]] = {
@@ -150,6 +184,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "domains": lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), "hang_timeout": float,
     "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
     "log_level": lambda t: t.strip().upper(), "progress_every": int, "progress_seconds": float,
+    "node_store": lambda t: t or None, "relaunch": _relaunch,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",

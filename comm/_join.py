@@ -17,8 +17,8 @@ from ._errors import ConfigError, mpi_errors
 from ._events import EventLog
 from ._membership import SPARE, Members
 from ._policy import FixedOrder, RebuildPolicy
-from ._ranks import Role
-from ._rebuild import JOIN_SECONDS, split_actives
+from ._ranks import LogicalRank, Role
+from ._rebuild import JOIN_SECONDS, Rebuild, split_actives
 from ._ulfm import check_ulfm
 from ._world import WATCHDOG, World
 
@@ -61,17 +61,30 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     if config.spares >= n:
         raise ConfigError(f"spares={config.spares} with {n} processes: keep at least one active rank "
                           f"(0 <= spares < {n})")
-    table = [r if r < n - config.spares else SPARE for r in range(n)]
+    relaunch = config.relaunch
+    if relaunch is not None and len(relaunch.table) != n:
+        raise ConfigError(f"ELASTIC_RELAUNCH names {len(relaunch.table)} processes but the job has {n}: it is the "
+                          "launcher's; start relaunches through python -m elastic.launch")
+    table = list(relaunch.table) if relaunch else [r if r < n - config.spares else SPARE for r in range(n)]
     members = Members(universe, table, [None] * n)
-    role = Role.SPARE if members.mine() == SPARE else Role.INITIAL
-    world = World(members, config, policy or FixedOrder(config.rebuild, config.min_size), n - config.spares, 0, role)
+    # A relaunch's processes are all replacements: their state comes back from the nodes' memory.
+    role = Role.SPARE if members.mine() == SPARE else Role.RECOVERED if relaunch else Role.INITIAL
+    world = World(members, config, policy or FixedOrder(config.rebuild, config.min_size),
+                  relaunch.initial_size if relaunch else n - config.spares, relaunch.generation if relaunch else 0,
+                  role)
+    if relaunch is not None:
+        world.committed = relaunch.committed  # then losing every copy is DataLost, not a fresh start
+        world.failures_seen = True
+        world.last_rebuild = Rebuild(relaunch.generation, "relaunch", frozenset(map(LogicalRank, relaunch.failed)),
+                                     frozenset(map(LogicalRank, relaunch.replaced)),
+                                     frozenset(map(LogicalRank, relaunch.removed)), 0, 1, {})
     world.alone = alone and not config.require_ulfm
     world.lifecycle.install()
     with mpi_errors(universe):
         world.comm = split_actives(members)
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
-    world.events.emit("started", size=n - config.spares, spares=config.spares, modes=config.rebuild,
-                      sentinel=world.watchdog.active)
+    world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
+                      sentinel=world.watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
     if role is Role.SPARE:
         _spares.park(world)
     else:

@@ -24,9 +24,17 @@ commit. Until then a second failure of the same data is not survivable: the
 Memory per rank, replication 2: the roll-back payload and the copies held for
 others (2x the state, beside the state itself: 3x) between commits; during a
 commit the new copies sit beside the old ones (4x).
+
+Tier 2 (``Config.node_store``, see ``_nodestore``): the roll-back payload and
+the copies live in files in node memory instead (same memory, no extra copy),
+always with a roll-back copy; the checksums are then taken before the vote,
+where the manifest that a relaunch reads needs them. A relaunched job attaches
+them (``recover`` on its first generation) and agrees on the newest version
+that the surviving nodes hold whole.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import socket
@@ -38,6 +46,7 @@ import numpy as np
 import xxhash
 from elastic.comm import ConfigError, ProcessFailure, World, agreed
 
+from ._nodestore import NodeFiles
 from ._placement import DataLost, Layout, Piece, pieces, plan
 
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
@@ -71,6 +80,7 @@ class _Held:
     piece: Piece
     data: np.ndarray
     sums: list[int]
+    offset: int = 0  # in the buffer the version's copies arrived in
 
 
 @dataclasses.dataclass
@@ -115,6 +125,13 @@ class ReplicatedStore:
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
+        self._node: NodeFiles | None = None  # tier 2: the versions in node memory
+        if world.config.node_store and not world.alone:
+            self._node = NodeFiles(world.config.node_store, int(world.logical_rank))
+            self.rollback_copy = True  # the node keeps a copy of the payload whatever the caller promises
+            lifecycle = world.lifecycle
+            atexit.register(lambda: self._node.remove() if self._node and (lifecycle.finished or lifecycle.stopped)
+                            else None)  # the job is over for good: its node memory is freed
 
     # ------------------------------------------------------------ user calls
     @property
@@ -182,6 +199,10 @@ class ReplicatedStore:
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
+        relaunch = world.config.relaunch
+        if self._node is not None and relaunch is not None and world.generation == relaunch.generation \
+                and self._current is None:
+            self._attach()
         statuses = world.allgather(self._status())
         numbers = {s[0] for s in statuses if s[0] is not None}
         if not numbers and world.committed:  # every process that held a version died: the same everywhere
@@ -249,29 +270,43 @@ class ReplicatedStore:
             # The copies arrive, in current-rank order, in one buffer: a view of it per piece.
             spans = [(int(world.logical_ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
                      for r, got in enumerate(told) for copy, first, count, size in got or []]
-            buffer = self._receive_buffer(sum(span[-1] for span in spans))
+            buffer = self._receive_buffer(sum(span[-1] for span in spans), version)
             held: dict[tuple[int, int, int], _Held] = {}
             incoming: dict[int, list[np.ndarray]] = {}
             sizes, offset = {me: total}, 0
             for owner, copy, first, count, size, nbytes in spans:
                 data = buffer[offset:offset + nbytes]
+                held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me), data, [], offset)
                 offset += nbytes
-                held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me), data, [])
                 incoming.setdefault(owner, []).append(data)
                 sizes[owner] = size
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()
-            self._hash_later(held)  # the holder checks what it keeps, off everyone's path
+            if self._node is not None:  # the manifest needs the sums: taken here, then everything sealed
+                for h in held.values():
+                    h.sums = self._sums(h.data)
+                persisted = self._persist(version, layout, segments, total, sizes, held, buffer)
+            else:
+                self._hash_later(held)  # the holder checks what it keeps, off everyone's path
             t3 = time.perf_counter()
         except ProcessFailure as exc:
             error = exc
         # Phase two: the new copies become current only if every rank got this far.
-        self._vote(error is None)
+        try:
+            self._vote(error is None)
+        except ProcessFailure:
+            if self._node is not None:
+                self._node.retire(self.version)  # this version's files: never voted
+            raise
         t4 = time.perf_counter()
         old = self._current
-        if self.rollback_copy:
-            payload: Payload = _pack(segments, total, old.payloads.get(me) if old else None)
+        payload: Payload
+        if self._node is not None:
+            payload = persisted
+            self._node.retire(version)
+        elif self.rollback_copy:
+            payload = _pack(segments, total, old.payloads.get(me) if old else None)
         else:
             payload, self._spare = segments, old.buffer if old else None
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
@@ -310,6 +345,68 @@ class ReplicatedStore:
                 domain_of = dict(zip(ranks, world.allgather(socket.gethostname())))
             self._layout = (world.generation, Layout.of(domain_of))
         return self._layout[1]
+
+    # -------------------------------------------------------------- tier 2
+    def _persist(self, version: int, layout: Layout, segments: list[np.ndarray], total: int,
+                 sizes: Mapping[int, int], held: Mapping[tuple[int, int, int], _Held],
+                 buffer: np.ndarray) -> np.ndarray:
+        """Before the vote: this rank's payload in node memory, and the manifest of the version
+        (local). Returns the payload (the roll-back copy)."""
+        assert self._node is not None
+        payload = _pack(segments, total, self._node.create(version, "own", total))
+        self._node.seal(version, {
+            "owner": int(self.world.logical_rank), "chunk_bytes": self.chunk_bytes, "replication": self.replication,
+            "domains": [list(d) for d in layout.domains], "sizes": {str(o): n for o, n in sizes.items()},
+            "own": {"nbytes": total, "sums": self._sums(payload)},
+            "held": {"nbytes": int(buffer.nbytes), "pieces": [
+                [h.piece.owner, h.piece.copy, h.piece.first, h.piece.count, h.offset, int(h.data.nbytes), h.sums]
+                for h in held.values()]}})
+        return payload
+
+    def _attach(self) -> None:
+        """A relaunch: take this rank's versions up from its node's memory, agree with the others on
+        the newest one that the live nodes hold whole, and keep that one (collective over the
+        active ranks). When none is whole, the newest is kept: the recovery then names what is lost."""
+        assert self._node is not None
+        world = self.world
+        me = int(world.logical_rank)
+        offers: dict[int, tuple[dict, np.ndarray | None, np.ndarray | None]] = {}
+        for doc in self._node.manifests():
+            try:
+                if (doc["owner"], doc["chunk_bytes"], doc["replication"]) != (me, self.chunk_bytes, self.replication):
+                    continue
+                own = self._node.open(doc["version"], "own", doc["own"]["nbytes"])
+                if own is not None and self._sums(own) != doc["own"]["sums"]:
+                    own = None  # damaged, or written by something else: not this version's payload
+                offers[doc["version"]] = doc, own, self._node.open(doc["version"], "held", doc["held"]["nbytes"])
+            except (KeyError, TypeError, ValueError):
+                continue  # not a manifest this store wrote
+        summary = {v: (doc["domains"], {int(o): int(n) for o, n in doc["sizes"].items()}, own is not None,
+                       buffer is not None) for v, (doc, own, buffer) in offers.items()}
+        try:
+            everyone = world.allgather(summary)
+        except ProcessFailure:
+            if offers:  # lost during the attach: keep the newest here; the next recovery takes it from there
+                self._keep(max(offers), *offers[max(offers)])
+            raise
+        chosen = _newest_whole(everyone, [int(r) for r in world.logical_ranks], self.chunk_bytes, self.replication)
+        world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
+        if chosen is not None:
+            world.committed = True
+            if chosen in offers:
+                self._keep(chosen, *offers[chosen])
+
+    def _keep(self, number: int, doc: dict, own: np.ndarray | None, buffer: np.ndarray | None) -> None:
+        """Make an attached version this rank's current one (local)."""
+        me = int(self.world.logical_rank)
+        held = {}
+        if buffer is not None:
+            for owner, copy, first, count, offset, nbytes, sums in doc["held"]["pieces"]:
+                held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me),
+                                                   buffer[offset:offset + nbytes], list(sums), offset)
+        self._current = _Version(number, _layout(doc["domains"]), {int(o): int(n) for o, n in doc["sizes"].items()},
+                                 {me: own} if own is not None else {}, held, buffer is not None,
+                                 buffer if buffer is not None else np.empty(0, np.uint8))
 
     # -------------------------------------------------------------- recovery
     def _status(self) -> tuple[int | None, bool, tuple[int, ...]]:
@@ -392,8 +489,11 @@ class ReplicatedStore:
             self._hashing = None
 
     # -------------------------------------------------------------- moving bytes
-    def _receive_buffer(self, nbytes: int) -> np.ndarray:
-        """Where a commit's copies land: the retired version's buffer when it fits, else fresh memory."""
+    def _receive_buffer(self, nbytes: int, version: int) -> np.ndarray:
+        """Where a commit's copies land: the retired version's buffer when it fits, else fresh memory
+        (in node memory with tier 2)."""
+        if self._node is not None:
+            return self._node.create(version, "held", nbytes)
         spare, self._spare = self._spare, None
         if spare is not None and spare.nbytes == nbytes:
             return spare
@@ -410,6 +510,32 @@ class ReplicatedStore:
 
     def _sums(self, data: np.ndarray) -> list[int]:
         return [checksum(data[i:i + self.chunk_bytes]) for i in range(0, data.nbytes, self.chunk_bytes)]
+
+
+def _layout(domains: list[list[int]]) -> Layout:
+    return Layout.of({r: str(d) for d, members in enumerate(domains) for r in members})
+
+
+def _newest_whole(offers: list[dict], active: list[int], chunk_bytes: int, replication: int) -> int | None:
+    """The newest version that the ranks' offers hold whole: every owner's payload on a live rank,
+    or each of its chunks in some live rank's copies (local: the same on every rank). When none
+    is, the newest offered (its recovery then names what is lost); None when nothing is offered."""
+    versions = sorted({v for offer in offers for v in offer}, reverse=True)
+    for v in versions:
+        domains = next(offer[v][0] for offer in offers if v in offer)
+        layout = _layout(domains)
+        whole = {r for r, offer in zip(active, offers) if v in offer and offer[v][2]}
+        live = {r for r, offer in zip(active, offers) if v in offer and offer[v][3]}
+        sizes = {o: n for offer in offers if v in offer for o, n in offer[v][1].items()}
+        dead = [o for o in layout.ranks if o not in whole]
+        if any(o not in sizes for o in dead):
+            continue
+        try:
+            plan(layout, dead, {o: -(-sizes[o] // chunk_bytes) for o in dead}, replication, live)
+            return v
+        except DataLost:
+            continue
+    return versions[0] if versions else None
 
 
 # ------------------------------------------------------------------ payloads

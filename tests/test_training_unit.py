@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic
-from elastic.comm import wire
+from elastic.comm import Config, wire
 from elastic._handlers import from_array, kind_of, to_array
 from elastic._handlers import join_value as _join_value
 from elastic._handlers import split_value as _split_value
@@ -164,7 +164,7 @@ def test_no_restore_path_unpickles(monkeypatch):
     import pickle
 
     class _World:  # what State needs without MPI: a size for the store's checks
-        size, rank, logical_rank, alone = 2, 0, 0, False
+        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
 
     objects = _stateful_objects()
     state = elastic.TorchState(_World(), model=objects["model"], optimizer=objects["optimizer"],
@@ -184,7 +184,7 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
     state_dict) come to a survivor as the same kinds: the plain ones at once, the stage held until
     ``bind`` loads it into the module and optimizer the survivor makes for it."""
     class _World:
-        size, rank, logical_rank, alone = 2, 0, 0, False
+        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
 
     removed = _stateful_objects()
     owner = elastic.TorchState(_World(), modules={"s2": (removed["model"], removed["optimizer"])},
@@ -206,7 +206,7 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
 
 def test_the_state_keeps_its_own_names():
     class _World:
-        size, rank, logical_rank, alone = 2, 0, 0, False
+        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
     state = elastic.TorchState(_World(), model=torch.nn.Linear(3, 2))
     with pytest.raises(elastic.ConfigError, match="'rng'.*choose another"):
         state["rng"] = 1
