@@ -1,24 +1,37 @@
-"""Nodes for the launcher: several hosts, and a multi-node test bed on one machine.
+"""Nodes for the launcher: several hosts, a multi-node test bed on one machine, and the
+relaunch plan when a node is lost (tier 2).
 
 ``--simulate-nodes N`` starts N fake nodes on this machine through Open MPI's
 ssh launcher: its agent (written into the run directory) runs each node's
-daemon under ``unshare --uts --mount`` with the node's hostname and a fresh
-tmpfs on ``/dev/shm``, so ranks on different fake nodes talk over TCP, see
-different hostnames (the store's failure domains) and lose their shared
-memory with the node. Ranks fill the nodes in order, ``slots`` per node.
-``nodeK@WHERE`` injections become ``R@WHERE:node`` on the first active
-logical rank R of node K, which kills the node: its daemon, every process
-under it, its memory. Needs root (``unshare``, ``mount``).
+daemon under ``unshare --uts --mount`` with the node's hostname and its own
+``/dev/shm`` (a directory of this machine's ``/dev/shm`` bound there: memory
+that outlives the node's processes, as a real node's does, and that the
+launcher deletes when it learns the node is lost), so ranks on different fake
+nodes talk over TCP, see different hostnames (the store's failure domains)
+and lose their node memory with the node. ``nodeK@WHERE`` injections become
+``R@WHERE:node`` on the first active logical rank R of node K, which kills
+the node: its daemon and every process under it. Needs root (``unshare``, ``mount``).
+
+A ``Placement`` says which table entries (logical ranks, ``SPARE`` for a
+parked spare) each host runs; ``replan`` makes the next one after a launch
+ended without finishing: where each logical rank last lived (the events),
+the lost nodes' ranks on spare nodes, or removed (a shrink) when there is none.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterable, Mapping
 
-from elastic.comm import ConfigError
+from elastic.comm import Config, ConfigError
+from elastic.comm._config import Relaunch
+
+SPARE = -1  # a table entry: a parked spare
 
 # Across nodes Open MPI picks its hierarchical collectives (coll/han), which crash after a process
 # failure; the flat ones survive it. Tier 1 (ULFM) across nodes needs this.
@@ -28,8 +41,10 @@ AGENT = """#!/bin/sh
 # Open MPI's ssh agent for simulated nodes (written by elastic.launch): AGENT [options] HOST COMMAND
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
+memory=MEMORY/$host
+mkdir -p "$memory" && chmod 1777 "$memory" || exit 1
 exec unshare --uts --mount sh -c \\
-  'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && eval "$1"' "$host" "$*"
+  'hostname "$0" && mount --bind "$1" /dev/shm && eval "$2"' "$host" "$memory" "$*"
 """
 
 
@@ -57,32 +72,155 @@ def check_can_simulate() -> None:
                           f"({probe.stderr.strip()[:200]}); a container may need --privileged")
 
 
-def write_agent(run_dir: Path) -> Path:
+def write_agent(run_dir: Path, memory: Path) -> Path:
+    """The ssh agent, each node's memory a directory under ``memory`` (in this machine's /dev/shm)."""
     path = run_dir / "node-agent.sh"
-    path.write_text(AGENT)
+    path.write_text(AGENT.replace("MEMORY", str(memory)))
     path.chmod(0o700)
     return path
 
 
-def node_injections(text: str | None, hosts: list[tuple[str, int]], nprocs: int) -> str | None:
+def node_injections(text: str | None, ranks_on: Mapping[str, list[int]]) -> str | None:
     """``nodeK@WHERE[/gG]`` entries of a compact schedule as ``R@WHERE:node[/gG]``, R the first
-    active logical rank on node K; other entries unchanged.
+    active logical rank on node K (``ranks_on``: each host's active logical ranks); other entries
+    unchanged.
 
     Raises:
-        ConfigError: node K does not exist or holds no active rank.
+        ConfigError: node K does not run in this launch, or holds no active rank.
     """
     if not text or text.strip().startswith("[") or "node" not in text:
         return text
     out = []
     for item in text.split(","):
-        match = re.fullmatch(r"\s*node(\d+)@([^:/]+)(/g\d+)?\s*", item)
+        match = _NODE_ENTRY.fullmatch(item)
         if not match:
             out.append(item)
             continue
-        index, where, gen = int(match.group(1)), match.group(2), match.group(3) or ""
-        first = sum(slots for _, slots in hosts[:index])
-        if index >= len(hosts) or first >= nprocs:
-            raise ConfigError(f"injection {item.strip()!r}: there are {len(hosts)} nodes (node0..node{len(hosts) - 1})"
-                              f" and node{index} holds no active rank")
-        out.append(f"{first}@{where}:node{gen}")
+        node, where, gen = node_name(int(match.group(1))), match.group(2), match.group(3) or ""
+        if not ranks_on.get(node):
+            raise ConfigError(f"injection {item.strip()!r}: {node} holds no active rank (nodes with active ranks: "
+                              f"{', '.join(h for h, r in ranks_on.items() if r) or 'none'})")
+        out.append(f"{min(ranks_on[node])}@{where}:node{gen}")
     return ",".join(out)
+
+
+_NODE_ENTRY = re.compile(r"\s*node(\d+)@([^:/]+)(/g\d+)?\s*")
+
+
+def pending_injections(text: str | None, fired: Iterable[dict], lost: set[str],
+                       host_of: Mapping[int, str]) -> str | None:
+    """The entries of a compact schedule a relaunch still owes: not fired, and (node entries) not on a
+    lost node. ``fired``: the ``inject`` events so far; ``host_of``: pid -> host."""
+    if not text or text.strip().startswith("["):
+        return text
+    from elastic.comm import parse_schedule
+    done_nodes = {host_of.get(e["pid"]) for e in fired if e["action"] == "node"}
+    done = {(e["rank"], e["step"], e["point"], e["action"], e["gen"]) for e in fired}
+    keep = []
+    for item in text.split(","):
+        match = _NODE_ENTRY.fullmatch(item)
+        if match:
+            if node_name(int(match.group(1))) not in done_nodes | lost:
+                keep.append(item)
+            continue
+        entry = parse_schedule(item)[0]
+        if (entry.rank, entry.step, entry.point, entry.action, entry.gen) not in done:
+            keep.append(item)
+    return ",".join(keep) or None
+
+
+# ---------------------------------------------------------------------------- placements
+@dataclasses.dataclass
+class Placement:
+    """Which table entries (logical ranks, ``SPARE``) each host runs, hosts in launch order."""
+
+    hosts: list[tuple[str, list[int]]]
+
+    @classmethod
+    def first(cls, hosts: list[tuple[str, int]], nprocs: int, spares: int) -> "Placement":
+        """Processes fill the hosts' slots in order: logical ranks 0..nprocs-1, then the spares."""
+        entries = list(range(nprocs)) + [SPARE] * spares
+        out, start = [], 0
+        for name, slots in hosts:
+            take = entries[start:start + slots] if name != hosts[-1][0] else entries[start:]
+            if take:
+                out.append((name, take))
+            start += len(take)
+        return cls(out)
+
+    @property
+    def table(self) -> tuple[int, ...]:
+        return tuple(e for _, entries in self.hosts for e in entries)
+
+    def counts(self) -> list[tuple[str, int]]:
+        return [(name, len(entries)) for name, entries in self.hosts]
+
+    def ranks_on(self) -> dict[str, list[int]]:
+        return {name: sorted(e for e in entries if e != SPARE) for name, entries in self.hosts}
+
+
+def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str], dict[int, str]]:
+    """(last generation, active logical rank -> host in it, pid -> host) from the events of ``pids``."""
+    host_of: dict[int, str] = {}
+    last: dict[int, tuple[int, int]] = {}  # logical -> (generation, pid) of its latest holder
+    generation = -1
+    for path in run_dir.glob("events-*.jsonl"):
+        host, _, pid_text = path.stem[len("events-"):].rpartition("-")
+        if not pid_text.isdigit() or int(pid_text) not in pids:
+            continue
+        host_of[int(pid_text)] = host
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # the last line of a process killed while writing it
+            gen, logical = event.get("gen", 0), event.get("logical")
+            generation = max(generation, gen)
+            if logical is not None and event.get("role") != "spare" and gen >= last.get(logical, (-1, 0))[0]:
+                last[logical] = (gen, int(pid_text))
+    # Ranks removed by a shrink no longer appear in the last generation.
+    return generation, {r: host_of[p] for r, (g, p) in last.items() if g == generation}, host_of
+
+
+class GiveUp(Exception):
+    """No relaunch can continue the job; the message says why and what to do."""
+
+
+def replan(previous: Placement, live_on: Mapping[int, str], lost: set[str], spare_nodes: list[str],
+           config: Config, count: int, generation: int, initial_size: int, committed: bool
+           ) -> tuple[Placement, Relaunch, list[str]]:
+    """The next launch after one ended unfinished: (placement, the processes' Relaunch, spare nodes
+    still unused). Logical ranks stay on their hosts; a lost host's go to a spare node, else are
+    removed (a shrink) where the rebuild modes allow it.
+
+    Raises:
+        GiveUp: no spare node left and no shrink allowed, or too few ranks left.
+    """
+    live_on = dict(live_on) or {e: name for name, entries in previous.hosts for e in entries if e != SPARE}
+    hosts = [name for name, _ in previous.hosts if name not in lost]
+    spare_nodes = list(spare_nodes)
+    ranks = {name: sorted(r for r, h in live_on.items() if h == name) for name in hosts}
+    failed, replaced, removed = [], [], []
+    for name in sorted({h for h in live_on.values() if h in lost} | (lost & {n for n, _ in previous.hosts})):
+        orphans = sorted(r for r, h in live_on.items() if h == name)
+        failed += orphans
+        if spare_nodes:
+            ranks[spare_nodes[0]] = orphans
+            hosts.append(spare_nodes.pop(0))
+            replaced += orphans
+        elif "shrink" in config.rebuild:
+            removed += orphans
+        else:
+            raise GiveUp(f"{name} was lost with logical ranks {orphans}, no spare node is left (--spare-nodes) and "
+                         f"--rebuild {','.join(config.rebuild)} does not shrink: add spare nodes or allow shrink")
+    size = sum(len(r) for r in ranks.values())
+    if size < max(config.min_size, 1) or size % config.multiple_of:
+        raise GiveUp(f"after losing {', '.join(sorted(lost))} only {size} active ranks are left; the job needs at "
+                     f"least {config.min_size} and a multiple of {config.multiple_of}: add spare nodes")
+    placed = {name: list(ranks[name]) for name in hosts}
+    for _ in range(config.spares):  # the parked spares go where the fewest processes are
+        placed[min(hosts, key=lambda n: len(placed[n]))].append(SPARE)
+    placement = Placement([(name, placed[name]) for name in hosts if placed[name]])
+    relaunch = Relaunch(count, generation, placement.table, initial_size, tuple(sorted(failed)),
+                        tuple(sorted(replaced)), tuple(sorted(removed)), tuple(sorted(lost)), committed)
+    return placement, relaunch, spare_nodes

@@ -3,6 +3,7 @@
     python -m elastic.launch -n 4 --spares 1 --inject 1@10 -- python examples/jacobi.py
     python -m elastic.launch --slurm --spares 1 -- python examples/train.py   # inside sbatch / salloc
     python -m elastic.launch --simulate-nodes 2 -n 4 --spares 1 -- python examples/train.py   # fake nodes
+    python -m elastic.launch --simulate-nodes 3 --spare-nodes 1 -n 6 --inject node1@20 -- python examples/train.py
 
 Every rank runs under a sentinel (``elastic.comm._sentinel``) that makes each
 way a rank can end or stall (a crash, a non-zero exit, an exception, a hang) a
@@ -13,6 +14,14 @@ torchrun users expect: exit 0 when the training finished, whatever ranks died
 on the way (each death is listed); 1 when it did not; 124 when ``--timeout``
 ran out; 128 + N when the launcher got signal N (SIGTERM, SIGINT: passed on to
 the ranks, which get ``--grace`` seconds before every process left is killed).
+
+Tier 2: a job on more than one host keeps its committed state in each node's
+memory as well (``--relaunches``, default 2 there), and when the runtime
+ends with the training unfinished and no agreed error (a node lost: Open MPI
+5.0 then ends every rank), this launcher starts the job again on the hosts
+that are left plus ``--spare-nodes``, the lost nodes' logical ranks on spare
+nodes or removed (a shrink); the new processes take the state back from the
+surviving nodes' memory and resume.
 """
 from __future__ import annotations
 
@@ -22,14 +31,16 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.comm import Config, ConfigError, Injection, read_events, read_fates, read_outcomes
+from elastic.comm import Config, ConfigError, Injection, parse_schedule, read_events, read_fates, read_outcomes
 from elastic.comm._events import describe_end
 from elastic.comm._lazy import keep_mpi_uninitialized
 
@@ -67,19 +78,23 @@ def slurm_allocation() -> list[tuple[str, int]]:
     return slurm_slots(tasks, hosts)
 
 
-def build_command(args: argparse.Namespace, nprocs: int) -> list[str]:
-    """The mpiexec command line for this machine (root, core count, Slurm allocation) and options."""
+def build_command(args: argparse.Namespace, nprocs: int, hosts: list[tuple[str, int]] | None = None) -> list[str]:
+    """The mpiexec command line for this machine (root, core count, Slurm allocation) and options;
+    ``hosts``: (host, processes) of this launch, filled in order (default: the hosts' slots)."""
     mpiexec = args.mpiexec or shutil.which("mpiexec") or "mpiexec"
     cmd = [mpiexec, "--with-ft", "ulfm", "-n", str(nprocs)]
     slots = os.cpu_count() or 1
-    if args.hosts:
+    if hosts is not None:
+        cmd += ["--host", ",".join(f"{h}:{n}" for h, n in hosts), "--map-by", "slot"]  # as the table says
+        slots = nprocs
+    elif args.hosts:
         cmd += ["--host", ",".join(f"{h}:{n}" for h, n in args.hosts)]
         slots = sum(n for _, n in args.hosts)
-    if len(args.hosts) > 1:
+    if len(hosts if hosts is not None else args.hosts) > 1:
         for key, value in _nodes.MULTI_NODE_MCA:
             cmd += ["--mca", key, value]
     if args.simulate_nodes:
-        cmd += ["--map-by", f"ppr:{args.hosts[0][1]}:node", "--mca", "plm_rsh_agent", str(args.agent)]
+        cmd += ["--mca", "plm_rsh_agent", str(args.agent)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if args.oversubscribe or nprocs > slots:
@@ -103,17 +118,17 @@ def _job_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- the outcome
-def summarize(run_dir: Path, schedule: tuple[Injection, ...] = ()) -> dict[str, Any]:
+def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None) -> dict[str, Any]:
     """What became of the job and of each process, from the files they wrote (local).
 
     ``finished``: the training finished (some process finished, none stopped the
     job with an error, none failed after finishing). ``deaths``: every process
     that did not leave together with the others, with how it ended. ``never_fired``: schedule
-    entries that no process announced.
+    entries that no process announced. ``only``: these processes (one launch of several).
     """
-    outcomes = {o["pid"]: o for o in read_outcomes(run_dir)}
-    fates = {f["pid"]: f for f in read_fates(run_dir)}
-    events = read_events(run_dir)
+    outcomes = {o["pid"]: o for o in read_outcomes(run_dir) if only is None or o["pid"] in only}
+    fates = {f["pid"]: f for f in read_fates(run_dir) if only is None or f["pid"] in only}
+    events = [e for e in read_events(run_dir) if only is None or e["pid"] in only]
     last_seen: dict[int, dict] = {}
     for e in events:
         last_seen[e["pid"]] = e
@@ -193,6 +208,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--simulate-nodes", type=int, metavar="N",
                         help="a test bed: N fake nodes on this machine (own hostname, own /dev/shm, TCP between "
                              "them; root); ranks fill them in order; inject nodeK@STEP to kill node K")
+    parser.add_argument("--hostfile", type=Path, help="hosts as mpirun reads them: one per line, 'host slots=N' "
+                        "(or host:N)")
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                        help="whole nodes held back for a relaunch after a node's loss (the last K hosts; with "
+                             "--simulate-nodes, K more fake nodes)")
+    parser.add_argument("--relaunches", type=int, default=None,
+                        help="relaunches from the nodes' memory when the runtime ends unfinished (a node lost); "
+                             "default 2 when the job spans hosts, else 0 (0: off, no node memory kept)")
     parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
     parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
     parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
@@ -226,9 +249,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the program after --, e.g. -- python examples/jacobi.py")
-    if sum(map(bool, (args.slurm, args.host, args.simulate_nodes))) > 1:
-        parser.error("give one of --slurm (the allocation's hosts), --host and --simulate-nodes")
-    args.hosts = slurm_allocation() if args.slurm else _hosts(args.host, parser) if args.host else []
+    if sum(map(bool, (args.slurm, args.host, args.hostfile, args.simulate_nodes))) > 1:
+        parser.error("give one of --slurm (the allocation's hosts), --host, --hostfile and --simulate-nodes")
+    args.hosts = slurm_allocation() if args.slurm else _hosts(args.host, parser) if args.host else \
+        _hostfile(args.hostfile, parser) if args.hostfile else []
+    if args.spare_nodes < 0 or (args.spare_nodes and not args.simulate_nodes and args.spare_nodes >= len(args.hosts)):
+        parser.error(f"--spare-nodes {args.spare_nodes}: give fewer than the {len(args.hosts)} hosts (the last K of "
+                     "them are held back), or use --simulate-nodes")
+    args.spare_hosts = [h for h, _ in args.hosts[len(args.hosts) - args.spare_nodes:]] if args.spare_nodes and \
+        not args.simulate_nodes else []
+    args.hosts = args.hosts[:len(args.hosts) - len(args.spare_hosts)]
     if args.nprocs is None:
         if not args.slurm:
             parser.error("give -n (active ranks), or --slurm to size the job from the allocation")
@@ -243,8 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ConfigError as exc:
             parser.error(str(exc))
         args.hosts = _nodes.simulated_hosts(args.simulate_nodes, args.nprocs + args.spares)
+        args.spare_hosts = [_nodes.node_name(args.simulate_nodes + i) for i in range(args.spare_nodes)]
+    if args.relaunches is None:
+        args.relaunches = 2 if len(args.hosts) > 1 else 0
+    if args.relaunches < 0:
+        parser.error("--relaunches must be >= 0")
+    args.placement = _nodes.Placement.first(args.hosts or [(socket.gethostname(), args.nprocs + args.spares)],
+                                            args.nprocs, args.spares)
+    args.inject_text = args.inject
     try:
-        args.inject = _nodes.node_injections(args.inject, args.hosts, args.nprocs) if args.simulate_nodes \
+        args.inject = _nodes.node_injections(args.inject, args.placement.ranks_on()) if args.simulate_nodes \
             else args.inject
     except ConfigError as exc:
         parser.error(str(exc))
@@ -263,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _validate(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    args.job = f"elastic-{uuid.uuid4().hex[:12]}"  # names the node memory of this job, and only this job's
+    if args.relaunches:
+        args.config = args.config.replace(node_store=f"/dev/shm/{args.job}")
     args.schedule = args.config.inject
     return args
 
@@ -274,6 +315,29 @@ def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
         if not name or (slots and not slots.isdigit()):
             parser.error(f"--host {text!r}: write host:slots,host:slots (e.g. nodea:4,nodeb:4)")
         hosts.append((name, int(slots or 1)))
+    return hosts
+
+
+def _hostfile(path: Path, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        parser.error(f"--hostfile {path}: {exc.strerror}")
+    hosts = []
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        name, _, slots = words[0].partition(":")
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots":
+                slots = value
+        if not slots.isdigit() and slots:
+            parser.error(f"--hostfile {path}: {line.strip()!r}: write 'host slots=N' or 'host:N'")
+        hosts.append((name, int(slots or 1)))
+    if not hosts:
+        parser.error(f"--hostfile {path} names no host")
     return hosts
 
 
@@ -341,65 +405,139 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
+class _Attempt:
+    """One mpiexec run of the job, watched to its end (local)."""
+
+    def __init__(self, args: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
+        self.args, self.got, self.stopping = args, [], []  # type: ignore[var-annotated]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.outputs = [_Output(self.proc.stdout, sys.stdout), _Output(self.proc.stderr, sys.stderr)]  # type: ignore
+        for output in self.outputs:
+            output.start()
+
+    def stop(self, why: str) -> None:
+        if not self.stopping:
+            print(f"\n[launch] {why}: stopping the job ({self.args.grace:g} s grace)", file=sys.stderr, flush=True)
+            self.stopping.append(time.monotonic())
+            self.proc.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank's sentinel
+
+    def wait(self, deadline: float | None) -> None:
+        """Until mpiexec ends (or the grace after a stop runs out), then nothing it started lives on."""
+        proc = self.proc
+        while proc.poll() is None:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                self.stop(f"TIMED OUT after {self.args.timeout:g} s")
+            if self.stopping and now - self.stopping[0] > self.args.grace:
+                break
+            time.sleep(0.1)
+        # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
+        # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
+        settle = time.monotonic() + LEFTOVER_SECONDS
+        while _session_processes(proc.pid) and time.monotonic() < settle and proc.poll() is not None:
+            time.sleep(0.05)
+        self.leftovers = _session_processes(proc.pid) + ([proc.pid] if proc.poll() is None else [])
+        for pid in self.leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        for output in self.outputs:
+            output.join(timeout=5)
+
+    @property
+    def lost_nodes(self) -> set[str]:
+        return {node for output in self.outputs for node in output.lost_nodes}
+
+    @property
+    def hidden(self) -> int:
+        return sum(output.hidden for output in self.outputs)
+
+
+def _pids(run_dir: Path) -> set[int]:
+    """Every process that left a file in the run directory."""
+    return {int(m.group(1)) for p in run_dir.glob("*-*") for m in [re.search(r"-(\d+)\.jsonl?$", p.name)] if m}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [p for pattern in ("outcome-*.json", "events-*.jsonl", "fate-*.json", "summary.json")
                   for p in args.run_dir.glob(pattern)]:
         stale.unlink()
+    memory = Path("/dev/shm") / f"{args.job}-nodes"  # the simulated nodes' memory
     if args.simulate_nodes:
-        args.agent = _nodes.write_agent(args.run_dir)
-    cmd = build_command(args, args.nprocs + args.spares)
-    if not args.quiet:
-        print(f"[launch] {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **_job_env(args)}, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    outputs = [_Output(proc.stdout, sys.stdout), _Output(proc.stderr, sys.stderr)]  # type: ignore[arg-type]
-    for output in outputs:
-        output.start()
+        args.agent = _nodes.write_agent(args.run_dir, memory)
+    attempt: _Attempt | None = None
     got: list[int] = []
-    stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
-
-    def stop(why: str) -> None:
-        if not stopping:
-            print(f"\n[launch] {why}: stopping the job ({args.grace:g} s grace)", file=sys.stderr, flush=True)
-            stopping.append(time.monotonic())
-            proc.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank's sentinel
 
     def on_signal(sig: int, _frame: Any) -> None:
         got.append(sig)
-        stop(f"got {signal.Signals(sig).name}")
+        if attempt is not None:
+            attempt.stop(f"got {signal.Signals(sig).name}")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    placement, config, spare_hosts = args.placement, args.config, list(args.spare_hosts)
+    notes: list[str] = []
+    hidden, leftovers, relaunches, lost_all = 0, 0, 0, set()
     try:
-        while proc.poll() is None:
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
-                stop(f"TIMED OUT after {args.timeout:g} s")
-            if stopping and now - stopping[0] > args.grace:
+        while True:
+            before = _pids(args.run_dir)
+            hosts = placement.counts() if args.hosts else None
+            cmd = build_command(args, len(placement.table), hosts if relaunches or args.simulate_nodes else None)
+            if not args.quiet:
+                print(f"[launch] {' '.join(cmd)}", flush=True)
+            attempt = _Attempt(args, cmd, {**config.to_env(), "PYTHONUNBUFFERED": "1"})
+            if got:
+                attempt.stop(f"got {signal.Signals(got[0]).name}")
+            attempt.wait(deadline)
+            hidden += attempt.hidden
+            leftovers += len(attempt.leftovers) if not attempt.stopping else 0
+            mine = _pids(args.run_dir) - before
+            this = summarize(args.run_dir, config.inject, mine)
+            lost = attempt.lost_nodes | {o["host"] for o in this["outcomes"] if o["status"] == "injected-node"}
+            lost_all |= lost
+            if args.simulate_nodes:
+                for node in lost:  # its memory goes with it
+                    shutil.rmtree(memory / node, ignore_errors=True)
+            if this["finished"] or attempt.stopping or this["stopped_by"] or not args.relaunches:
                 break
-            time.sleep(0.1)
+            if relaunches >= args.relaunches:
+                notes.append(f"the job ended unfinished and its {args.relaunches} relaunch(es) (--relaunches) are "
+                             "used up")
+                break
+            relaunches += 1
+            events = read_events(args.run_dir)
+            generation, live_on, host_of = _nodes.where_ranks_live(args.run_dir, mine)
+            try:
+                placement, relaunch, spare_hosts = _nodes.replan(
+                    placement, live_on, lost, spare_hosts, config, relaunches, generation + 1, args.nprocs,
+                    any(e["event"] == "committed" for e in events))
+                inject = _nodes.pending_injections(args.inject_text, [e for e in events if e["event"] == "inject"],
+                                                   lost_all, host_of)
+                if args.simulate_nodes:
+                    inject = _nodes.node_injections(inject, placement.ranks_on())
+                config = config.replace(relaunch=relaunch, spares=placement.table.count(_nodes.SPARE),
+                                        inject=parse_schedule(inject) if inject else ())
+            except (_nodes.GiveUp, ConfigError) as exc:
+                notes.append(f"no relaunch: {exc}")
+                break
+            what = f"node(s) {', '.join(sorted(lost))} lost" if lost else "the runtime ended unfinished"
+            moved = (f"; logical ranks {list(relaunch.replaced)} on spare node(s)" if relaunch.replaced else "") + \
+                (f"; logical ranks {list(relaunch.removed)} removed (shrink)" if relaunch.removed else "")
+            print(f"[launch] {what}: relaunch {relaunches} of {args.relaunches} on "
+                  f"{', '.join(h for h, _ in placement.hosts)} from the nodes' memory{moved}", flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    timed_out = bool(stopping) and not got
-    # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
-    # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
-    settle = time.monotonic() + LEFTOVER_SECONDS
-    while _session_processes(proc.pid) and time.monotonic() < settle and proc.poll() is not None:
-        time.sleep(0.05)
-    leftovers = _session_processes(proc.pid) + ([proc.pid] if proc.poll() is None else [])
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    for output in outputs:
-        output.join(timeout=5)
+        if args.simulate_nodes:
+            shutil.rmtree(memory, ignore_errors=True)
+    assert attempt is not None
+    timed_out = bool(attempt.stopping) and not got
     summary = summarize(args.run_dir, args.schedule)
-    notes = []
     if timed_out:
         rc = 124
         notes.append(f"TIMED OUT after {args.timeout:g} s")
@@ -408,20 +546,24 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"stopped by {signal.Signals(got[0]).name}")
     else:
         rc = 0 if summary["finished"] else 1
-    hidden = sum(output.hidden for output in outputs)
     if hidden:
         notes.append(f"({hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
                      "by a failure, expected)")
-    lost = sorted({node for output in outputs for node in output.lost_nodes})
-    if lost:
-        notes.append(f"node(s) {', '.join(lost)} lost with every process on them: Open MPI 5.0's runtime ends the "
-                     "whole job when a node's daemon dies, and the state in memory goes with it (surviving a "
-                     "node's loss needs a relaunch from the other nodes' memory, not built yet)")
-    if leftovers and not stopping:
-        notes.append(f"killed {len(leftovers)} processes left behind by the job")
+    if lost_all and not relaunches:
+        notes.append(f"node(s) {', '.join(sorted(lost_all))} lost with every process on them: Open MPI 5.0's runtime "
+                     "ends the whole job when a node's daemon dies, and the state in memory goes with it "
+                     + ("(--relaunches 0: no relaunch from the other nodes' memory)" if not args.relaunches else ""))
+    if relaunches:
+        notes.append(f"{relaunches} relaunch(es) from the nodes' memory (nodes lost: "
+                     f"{', '.join(sorted(lost_all)) or 'none'})")
+    if leftovers:
+        notes.append(f"killed {leftovers} processes left behind by the job")
+    if args.relaunches and rc and not args.simulate_nodes:
+        notes.append(f"node memory of this job may be left in /dev/shm/{args.job} on the hosts: remove it there")
     _report(summary, args.run_dir, notes)
-    summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": proc.returncode,
-                    "signal": signal.Signals(got[0]).name if got else None})
+    summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
+                    "signal": signal.Signals(got[0]).name if got else None, "relaunches": relaunches,
+                    "lost_nodes": sorted(lost_all)})
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return rc
 

@@ -67,11 +67,12 @@ def test_losing_a_node_ends_the_job_naming_it(tmp_path):
 def test_node_injections_name_the_first_rank_of_the_node():
     hosts = _nodes.simulated_hosts(3, 7)  # 3 slots per node: ranks 0-2, 3-5, 6
     assert hosts == [("node0", 3), ("node1", 3), ("node2", 3)]
-    assert _nodes.node_injections("node1@20,2@5/g1,node2@c7/g1", hosts, 7) == "3@20:node,2@5/g1,6@c7:node/g1"
+    ranks_on = _nodes.Placement.first(hosts, 7, 0).ranks_on()
+    assert _nodes.node_injections("node1@20,2@5/g1,node2@c7/g1", ranks_on) == "3@20:node,2@5/g1,6@c7:node/g1"
     with pytest.raises(ConfigError, match="node3 holds no active rank"):
-        _nodes.node_injections("node3@2", hosts, 7)
+        _nodes.node_injections("node3@2", ranks_on)
     with pytest.raises(ConfigError, match="node2 holds no active rank"):
-        _nodes.node_injections("node2@2", hosts, 6)  # node 2 holds only the spare
+        _nodes.node_injections("node2@2", _nodes.Placement.first(hosts, 6, 1).ranks_on())  # only the spare
 
 
 def test_a_node_kill_without_simulated_nodes_is_refused_before_anything_starts(capsys):
