@@ -160,10 +160,13 @@ class Placement:
 
 
 def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str], dict[int, str]]:
-    """(last generation, active logical rank -> host in it, pid -> host) from the events of ``pids``."""
+    """(last generation, logical rank -> host at the last agreed commit, pid -> host) from the events
+    of ``pids``. The commit's hosts, not the last generation's: a relaunch resumes from that commit,
+    whose payloads lie in those hosts' memory (a rebuild the runtime's end cut short changes
+    nothing there). Empty when nothing was committed in this launch."""
     host_of: dict[int, str] = {}
-    last: dict[int, tuple[int, int]] = {}  # logical -> (generation, pid) of its latest holder
-    generation = -1
+    generation, last = -1, (-1.0, -1, -1)  # last: (time, version, generation) of the last commit
+    commits: list[tuple[int, int, int, str]] = []      # (version, generation, logical, host)
     for path in run_dir.glob("events-*.jsonl"):
         host, _, pid_text = path.stem[len("events-"):].rpartition("-")
         if not pid_text.isdigit() or int(pid_text) not in pids:
@@ -174,12 +177,12 @@ def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str]
                 event = json.loads(line)
             except ValueError:
                 continue  # the last line of a process killed while writing it
-            gen, logical = event.get("gen", 0), event.get("logical")
-            generation = max(generation, gen)
-            if logical is not None and event.get("role") != "spare" and gen >= last.get(logical, (-1, 0))[0]:
-                last[logical] = (gen, int(pid_text))
-    # Ranks removed by a shrink no longer appear in the last generation.
-    return generation, {r: host_of[p] for r, (g, p) in last.items() if g == generation}, host_of
+            generation = max(generation, event.get("gen", 0))
+            if event.get("event") == "committed":
+                commits.append((event["version"], event["gen"], event["logical"], host))
+                last = max(last, (event["t"], event["version"], event["gen"]))
+    owners = {logical: host for version, gen, logical, host in commits if (version, gen) == last[1:]}
+    return generation, owners, host_of
 
 
 class GiveUp(Exception):

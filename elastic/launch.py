@@ -26,6 +26,7 @@ surviving nodes' memory and resume.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -520,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    lost_all, host_of)
                 if args.simulate_nodes:
                     inject = _nodes.node_injections(inject, placement.ranks_on())
-                config = config.replace(relaunch=relaunch, spares=placement.table.count(_nodes.SPARE),
-                                        inject=parse_schedule(inject) if inject else ())
+                # What did not fire yet fires in the relaunch, its generations counted from the relaunch's start.
+                pending = tuple(dataclasses.replace(e, gen=e.gen + relaunch.generation)
+                                for e in (parse_schedule(inject) if inject else ()))
+                config = config.replace(relaunch=relaunch, spares=placement.table.count(_nodes.SPARE), inject=pending)
             except (_nodes.GiveUp, ConfigError) as exc:
                 notes.append(f"no relaunch: {exc}")
                 break
@@ -537,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(memory, ignore_errors=True)
     assert attempt is not None
     timed_out = bool(attempt.stopping) and not got
-    summary = summarize(args.run_dir, args.schedule)
+    summary = summarize(args.run_dir, config.inject)  # what the last launch still owed: fired, or never
     if timed_out:
         rc = 124
         notes.append(f"TIMED OUT after {args.timeout:g} s")

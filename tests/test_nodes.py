@@ -1,8 +1,8 @@
 """Several nodes: the simulated-node test bed (fake nodes on this machine), process failures across
-nodes (tier 1), and what the loss of a whole node does today.
+nodes (tier 1), and the loss of a whole node (tier 2: a relaunch from the other nodes' memory).
 
-The fake nodes need root (``unshare --uts --mount``, a tmpfs per node): elsewhere these tests skip,
-saying so. Each runs real processes under ``mpiexec --with-ft ulfm`` with a timeout.
+The fake nodes need root (``unshare --uts --mount``, a bind mount per node): elsewhere these tests
+skip, saying so. Each runs real processes under ``mpiexec --with-ft ulfm`` with a timeout.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_bitwise, launch
 from elastic import _nodes, launch as launcher
 from elastic.comm import ConfigError
+from elastic.recovery._placement import Layout, pieces
 
 TRAIN = ("examples/train.py",)
 
@@ -37,6 +38,7 @@ def test_a_spare_on_another_node_replaces_a_killed_rank_bitwise(tmp_path, refere
     assert hosts == {0: "node0", 1: "node1", 2: "node0", 3: "node1"}, job.outcomes
     assert [o["host"] for o in job.outcomes if o["status"] == "injected-kill"] == ["node0"]
     assert "--mca coll ^han" in job.output  # the flat collectives: coll/han crashes after a failure
+    assert job.summary["relaunches"] == 0 and not job.of("store_attached")  # tier 1 did it, in process
 
 
 @pytest.mark.fault
@@ -55,13 +57,136 @@ def test_shrink_across_nodes_keeps_the_global_batches(tmp_path, reference):
 def test_losing_a_node_ends_the_job_naming_it(tmp_path):
     """node1@20 kills node 1's daemon, every process on it and its memory: Open MPI 5.0 then ends
     every rank everywhere. The launcher says which node, how each process ended, and exits 1."""
-    job = launch(tmp_path, 4, "--simulate-nodes", "2", "--spares", "1", "--inject", "node1@20", program=TRAIN)
+    job = launch(tmp_path, 4, "--simulate-nodes", "2", "--spares", "1", "--inject", "node1@20", "--relaunches", "0",
+                 program=TRAIN)
     assert job.rc == 1, job.output
     assert "node(s) node1 lost with every process on them" in job.output
     killer = [o for o in job.outcomes if o["status"] == "injected-node"]
     assert [(o["logical"], o["host"], o["step"]) for o in killer] == [(3, "node1", 20)]
     assert not [o for o in job.outcomes if o["status"] == "finished"]
     assert "killed its node (node1) by injection at step 20" in job.output
+
+
+# ---------------------------------------------------------------------------- tier 2
+THREE_NODES = ("--simulate-nodes", "3")  # 2 ranks each: logical 0-1 on node0, 2-3 on node1, 4-5 on node2
+STEPS = ("--steps", "40")
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory):
+    """Failure-free runs on 3 fake nodes x 2 ranks, by program arguments, computed once each."""
+    cache: dict[tuple[str, ...], dict] = {}
+
+    def get(program: tuple[str, ...]) -> dict:
+        if program not in cache:
+            job = launch(tmp_path_factory.mktemp("six"), 6, *THREE_NODES, program=program)
+            assert job.rc == 0, job.output
+            cache[program] = {"result": job.result}
+        return cache[program]
+    return get
+
+
+def _relaunched(job) -> list[dict]:
+    """The store_attached events of the relaunches: which versions each rank found, which was chosen."""
+    return job.of("store_attached")
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_a_lost_node_comes_back_on_a_spare_node_bitwise(tmp_path, six):
+    """node1@20: node 1's daemon, its ranks (logical 2, 3) and its memory die; Open MPI ends the job.
+    The launcher relaunches on node0, node2 and the spare node3; the state comes from the two
+    surviving nodes' memory, and the run ends with the failure-free model and optimizer."""
+    program = TRAIN + STEPS
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "1", "--inject", "node1@20", program=program)
+    assert_bitwise(job, six(program), "optimizer_sha256")
+    assert job.summary["relaunches"] == 1 and job.summary["lost_nodes"] == ["node1"]
+    hosts = {o["logical"]: o["host"] for o in job.outcomes if o["status"] == "finished"}
+    assert hosts == {0: "node0", 1: "node0", 2: "node3", 3: "node3", 4: "node2", 5: "node2"}, job.outcomes
+    committed = max(e["version"] for e in job.of("committed") if e["t"] < min(a["t"] for a in _relaunched(job)))
+    assert {(a["logical"], a["chosen"]) for a in _relaunched(job)} == {(r, committed) for r in range(6)}
+    found = {a["logical"]: a["versions"] for a in _relaunched(job)}
+    assert found[2] == found[3] == [] and all(found[r] == [committed] for r in (0, 1, 4, 5))  # node1's memory died
+    recovered = [e for e in job.of("store_recovered") if e["gen"] == 1]
+    assert recovered and all(e["dead"] == [2, 3] for e in recovered)
+    assert "relaunch 1 of 2 on node0, node2, node3" in job.output
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_a_lost_node_without_a_spare_node_shrinks_to_the_others(tmp_path, six):
+    program = TRAIN + STEPS + ("--dropout", "0")
+    job = launch(tmp_path, 6, *THREE_NODES, "--inject", "node1@20", program=program)
+    assert job.rc == 0, job.output
+    ref = six(program)["result"]
+    assert job.result["size"] == 4 and job.result["steps"] == ref["steps"]
+    assert abs(job.result["final_loss"] - ref["final_loss"]) <= 1e-5 * abs(ref["final_loss"])
+    assert "logical ranks [2, 3] removed (shrink)" in job.output
+    finished = sorted(o["logical"] for o in job.outcomes if o["status"] == "finished")
+    assert finished == [0, 1, 4, 5]
+
+
+def _domains_that_keep_a_chunk_on_node1() -> str:
+    """ELASTIC_DOMAINS (round robin over the logical ranks) under which some chunk of logical rank 2
+    or 3 has its only copy on the other one: both on node1. train.py's state is one chunk per rank."""
+    for names in ("a,b", "a,b,c", "a,a,b,c,a,a", "a,b,a,b,c,c", "a,b,c,c,a,b"):
+        domain = names.split(",")
+        layout = Layout.of({r: domain[r % len(domain)] for r in range(6)})
+        holders = {p.owner: p.holder for owner in (2, 3) for p in pieces(layout, owner, 1, 2)}
+        if holders == {2: 3, 3: 2} or holders.get(2) == 3 or holders.get(3) == 2:
+            return names
+    raise AssertionError("no arrangement of domains puts a copy of node1's state on node1")
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_a_lost_node_that_held_every_copy_of_a_chunk_is_data_lost(tmp_path):
+    domains = _domains_that_keep_a_chunk_on_node1()
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "1", "--inject", "node1@20", program=TRAIN + STEPS,
+                 env={"ELASTIC_DOMAINS": domains})
+    assert job.rc == 1, job.output
+    assert job.summary["relaunches"] == 1
+    assert job.summary["stopped_by"]["kind"] == "DataLost", job.summary["stopped_by"]
+    lost = {int(o) for e in job.of("data_lost") for o in e["lost"]}
+    assert lost and lost <= {2, 3}, job.of("data_lost")
+    assert "DataLost" in job.output and not [o for o in job.outcomes if o["status"] == "finished"]
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_a_node_lost_in_a_commit_rolls_back_to_the_last_agreed_version(tmp_path, six):
+    """Killed in version 4's transfer: no node sealed it, so the relaunch resumes from version 3."""
+    program = TRAIN + STEPS
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "1", "--inject", "node1@commit4", program=program)
+    assert_bitwise(job, six(program), "optimizer_sha256")
+    assert {a["chosen"] for a in _relaunched(job)} == {3}
+    assert max(v for a in _relaunched(job) for v in a["versions"]) == 3
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_two_nodes_lost_one_after_the_other(tmp_path, six):
+    program = TRAIN + STEPS
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "2", "--inject", "node1@10,node2@25", program=program)
+    assert_bitwise(job, six(program), "optimizer_sha256")
+    assert job.summary["relaunches"] == 2 and job.summary["lost_nodes"] == ["node1", "node2"]
+    hosts = {o["logical"]: o["host"] for o in job.outcomes if o["status"] == "finished"}
+    assert hosts == {0: "node0", 1: "node0", 2: "node3", 3: "node3", 4: "node4", 5: "node4"}, job.outcomes
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_a_node_lost_during_the_relaunch(tmp_path, six):
+    """node2 dies while the first relaunch fetches node1's state from it (``restore``: what has not
+    fired fires in the relaunch, its generations counted from there); with three copies of every
+    chunk (one per node) node0 still holds everything, and a second relaunch finishes the run."""
+    program = TRAIN + STEPS + ("--replication", "3")
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "2", "--inject", "node1@20,node2@restore",
+                 program=program)
+    assert_bitwise(job, six(TRAIN + STEPS), "optimizer_sha256")  # the copies do not change the training
+    assert job.summary["relaunches"] == 2 and job.summary["lost_nodes"] == ["node1", "node2"]
+    killers = [(o["host"], o["injection"]["point"]) for o in job.outcomes if o["status"] == "injected-node"]
+    assert killers == [("node1", "step"), ("node2", "restore")], killers
 
 
 def test_node_injections_name_the_first_rank_of_the_node():
