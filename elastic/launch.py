@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     placement, config, spare_hosts = args.placement, args.config, list(args.spare_hosts)
     notes: list[str] = []
     hidden, leftovers, relaunches, lost_all = 0, 0, 0, set()
+    launches: list[dict[str, float]] = []  # wall-clock times of each mpiexec: started, gone
     try:
         while True:
             before = _pids(args.run_dir)
@@ -491,10 +492,12 @@ def main(argv: list[str] | None = None) -> int:
             cmd = build_command(args, len(placement.table), hosts if relaunches or args.simulate_nodes else None)
             if not args.quiet:
                 print(f"[launch] {' '.join(cmd)}", flush=True)
+            launches.append({"launched": time.time()})
             attempt = _Attempt(args, cmd, {**config.to_env(), "PYTHONUNBUFFERED": "1"})
             if got:
                 attempt.stop(f"got {signal.Signals(got[0]).name}")
             attempt.wait(deadline)
+            launches[-1]["ended"] = time.time()
             hidden += attempt.hidden
             leftovers += len(attempt.leftovers) if not attempt.stopping else 0
             mine = _pids(args.run_dir) - before
@@ -566,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     _report(summary, args.run_dir, notes)
     summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
                     "signal": signal.Signals(got[0]).name if got else None, "relaunches": relaunches,
-                    "lost_nodes": sorted(lost_all)})
+                    "launches": launches, "lost_nodes": sorted(lost_all)})
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return rc
 

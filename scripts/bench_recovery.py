@@ -28,6 +28,17 @@ bandwidth of the same bytes.
 
 Writes ``bench_recovery.json`` (for scripts/simulate_ettr.py) and, with
 matplotlib, ``bench_recovery.png``.
+
+Node loss (``--nodes N``, root: simulated nodes, see ``elastic.launch --simulate-nodes``):
+node 1 is killed (its daemon, its ranks, its memory) ``interval + 7`` steps in;
+Open MPI then ends the whole job. (e) tier 2: the launcher relaunches on the
+other nodes plus a spare node and the ranks restore from the surviving nodes'
+memory; (f) checkpoint-restart of the same state from disk, relaunched by hand
+on as many nodes. Phases of (e): detect (kill -> the runtime gone), relaunch
+(-> every rank started), attach (-> the nodes' versions agreed), fetch,
+resume (-> the loop resumed), redo.
+
+    python scripts/bench_recovery.py --nodes 3 --ranks 6 --sizes 10 128
 """
 from __future__ import annotations
 
@@ -163,8 +174,33 @@ def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> l
     return out
 
 
-def restart(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> list[dict]:
-    """Checkpoint-restart: each repetition is a job killed after a checkpoint, then relaunched."""
+def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Tier 2: node 1 killed once; the launcher relaunches from the nodes' memory (phases, seconds)."""
+    run_dir = tmp / f"node-{n}-{mb}"
+    failed_at = a.interval + 7
+    launch(n, run_dir, ["--simulate-nodes", str(a.nodes), "--spare-nodes", "1", "--inject", f"node1@{failed_at}"],
+           ["--state-mb", str(mb), "--steps", str(a.interval * 2 + 10), "--commit-every", str(a.interval)])
+    events = events_of(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("relaunches") != 1:
+        print(f"  node loss {n}x{mb}: no relaunch ({summary.get('rc')}); see {run_dir}", flush=True)
+        return []
+    gone, relaunched = summary["launches"][0]["ended"], summary["launches"][1]["launched"]
+    t_kill = min(e["t"] for e in events if e["event"] == "inject")
+    later = [e for e in events if e["t"] > relaunched]
+
+    def last(name: str) -> float:
+        return max(e["t"] for e in later if e["event"] == name)
+    started, attached, recovered, resumed = last("started"), last("store_attached"), last("store_recovered"), \
+        last("resumed")
+    past = min(e["t"] for e in later if e["event"] == "step" and e["step"] > failed_at)
+    return [{"total": past - t_kill, "detect": gone - t_kill, "relaunch": started - gone, "attach": attached - started,
+             "fetch": recovered - attached, "resume": resumed - recovered, "redo": past - resumed}]
+
+
+def restart(n: int, mb: int, a: argparse.Namespace, tmp: Path, nodes: int = 0) -> list[dict]:
+    """Checkpoint-restart: each repetition is a job killed after a checkpoint, then relaunched
+    (``nodes``: on simulated nodes, losing node 1 instead of rank 1)."""
     ckpt = tmp / f"ckpt-{n}-{mb}"
     ckpt.mkdir()
     steps = a.interval * (a.reps + 1) + 10
@@ -175,8 +211,10 @@ def restart(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> list[dict]:
     previous = None
     for g in range(a.reps + 1):
         run_dir = tmp / f"restart-{n}-{mb}-{g}"
-        kill = ["--inject", f"1@{a.interval * (g + 1) + 7}"] if g < a.reps else []
-        t_gone = launch(n, run_dir, kill, common, no_recovery)
+        where = f"node1@{a.interval * (g + 1) + 7}" if nodes else f"1@{a.interval * (g + 1) + 7}"
+        kill = ["--inject", where] if g < a.reps else []
+        on = ["--simulate-nodes", str(nodes), "--relaunches", "0"] if nodes else []
+        t_gone = launch(n, run_dir, on + kill, common, no_recovery)
         events = events_of(run_dir)
         if previous is not None:
             t_kill, failed_at, t_prev_gone = previous
@@ -231,6 +269,8 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=10, help="steps between commits / checkpoints")
     parser.add_argument("--max-total-mb", type=int, default=2048, help="skip ranks x MB above this (memory)")
     parser.add_argument("--out", type=Path, default=Path("elastic-run/bench"))
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="node loss instead, on this many simulated nodes (+1 spare; root): tier 2 vs restart")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state-mb", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
@@ -242,6 +282,8 @@ def main() -> int:
     if a.worker:
         return worker(a)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.nodes:
+        return node_main(a)
     print(f"kill -> first step past the one the job was on, seconds, median of {a.reps}; commit / checkpoint "
           f"every {a.interval} steps, kill {7} steps after one; restart = (d) over (a-c)", flush=True)
     head = ("ranks", "MB", "shrink", "spare", "spawn", "restart", "d/shrink", "d/spare", "d/spawn",
@@ -280,6 +322,34 @@ def main() -> int:
         print(" ".join(f"{c:>11.4f}" if isinstance(c, float) else f"{c:>11}" for c in cells), flush=True)
     (a.out / "bench_recovery.json").write_text(json.dumps({"interval": a.interval, "results": results}, indent=1))
     _plot(results, a.out / "bench_recovery.png")
+    return 0
+
+
+def node_main(a: argparse.Namespace) -> int:
+    """The node-loss table: tier 2 against checkpoint-restart, one kill each, side by side."""
+    a.reps = 1
+    print(f"node 1 of {a.nodes} simulated nodes killed {a.interval + 7} steps in (commit / checkpoint every "
+          f"{a.interval}); kill -> first step past the one the job was on, seconds", flush=True)
+    head = ("ranks", "MB", "tier 2", "restart", "restart/t2", "detect", "relaunch", "attach", "fetch", "resume",
+            "redo", "r:teardown", "r:relaunch", "r:load", "ckpt save")
+    print(" ".join(f"{h:>10}" for h in head), flush=True)
+    results = []
+    for n in a.ranks:
+        for mb in a.sizes:
+            if n * mb > a.max_total_mb:
+                print(f"{n:>10} {mb:>10}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
+                continue
+            with tempfile.TemporaryDirectory(dir=a.out) as tmp:
+                tier2 = node_loss(n, mb, a, Path(tmp))
+                again = restart(n, mb, a, Path(tmp), nodes=a.nodes)
+            results.append({"ranks": n, "mb": mb, "tier2": tier2, "restart": again})
+            t2, d = med(tier2, "total"), med(again, "total")
+            cells = (n, mb, t2, d, d / t2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
+                                                                      "resume", "redo")),
+                     *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
+            print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
+    (a.out / "bench_node_loss.json").write_text(json.dumps({"interval": a.interval, "nodes": a.nodes,
+                                                            "results": results}, indent=1))
     return 0
 
 
