@@ -185,6 +185,35 @@ def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str]
     return generation, owners, host_of
 
 
+# Slurm node states of a node that cannot run the relaunch (scontrol show node: State=IDLE+DRAIN, DOWN*, ...).
+_DEAD_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER_DOWN", "POWERED_DOWN")
+
+
+def slurm_says_dead(scontrol: str) -> bool:
+    """Whether ``scontrol show node`` output marks the node unusable."""
+    match = re.search(r"\bState=(\S+)", scontrol)
+    return match is not None and any(word in match.group(1).upper() for word in _DEAD_STATES)
+
+
+def unreachable(hosts: list[str], *, slurm: bool, agent: list[str], timeout: float = 10.0) -> set[str]:
+    """The hosts that cannot take part in a relaunch: the scheduler's word under Slurm, else a
+    ``AGENT HOST true`` (ssh, or the ``plm_rsh_agent`` given) that fails or times out. A probe that
+    cannot run at all (no scontrol, no ssh) says nothing: the host is not declared dead for it."""
+    def dead(host: str) -> bool:
+        try:
+            if slurm:
+                return slurm_says_dead(subprocess.run(["scontrol", "show", "node", host], capture_output=True,
+                                                      text=True, timeout=timeout).stdout)
+            return subprocess.run([*agent, host, "true"], capture_output=True, timeout=timeout).returncode != 0
+        except subprocess.TimeoutExpired:
+            return True
+        except OSError:
+            return False
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=min(32, max(len(hosts), 1))) as pool:
+        return {host for host, is_dead in zip(hosts, pool.map(dead, hosts)) if is_dead}
+
+
 class GiveUp(Exception):
     """No relaunch can continue the job; the message says why and what to do."""
 

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastic.comm import Config, ConfigError, Injection, parse_schedule, read_events, read_fates, read_outcomes
+from elastic.comm._config import Relaunch
 from elastic.comm._events import describe_end
 from elastic.comm._lazy import keep_mpi_uninitialized
 
@@ -457,6 +459,28 @@ class _Attempt:
         return sum(output.hidden for output in self.outputs)
 
 
+def _next_placement(args: argparse.Namespace, previous: _nodes.Placement, live_on: dict[int, str], lost: set[str],
+                    spare_hosts: list[str], config: Config, count: int, generation: int, committed: bool
+                    ) -> tuple[_nodes.Placement, Relaunch, list[str], set[str]]:
+    """The relaunch's placement (``_nodes.replan``) on hosts that answer a probe (real hosts; a
+    simulated node's loss is known): a host that does not is lost too, and the plan made again.
+    Returns the placement, the Relaunch, the spare nodes left and the hosts the probe found dead."""
+    probed: set[str] = set()
+    agent = next((shlex.split(v) for k, v in args.mca if k == "plm_rsh_agent"),
+                 ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
+    while True:
+        spares = [h for h in spare_hosts if h not in probed]
+        placement, relaunch, left = _nodes.replan(previous, live_on, lost | probed, spares, config, count, generation,
+                                                  args.nprocs, committed)
+        if args.simulate_nodes or len(args.hosts) + len(args.spare_hosts) < 2:
+            return placement, relaunch, left, probed
+        dead = _nodes.unreachable([h for h, _ in placement.hosts], slurm=args.slurm, agent=agent)
+        if not dead:
+            return placement, relaunch, left, probed
+        print(f"[launch] {', '.join(sorted(dead))} did not answer (the probe): counted as lost", flush=True)
+        probed |= dead
+
+
 def _pids(run_dir: Path) -> set[int]:
     """Every process that left a file in the run directory."""
     return {int(m.group(1)) for p in run_dir.glob("*-*") for m in [re.search(r"-(\d+)\.jsonl?$", p.name)] if m}
@@ -517,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             events = read_events(args.run_dir)
             generation, live_on, host_of = _nodes.where_ranks_live(args.run_dir, mine)
             try:
-                placement, relaunch, spare_hosts = _nodes.replan(
-                    placement, live_on, lost, spare_hosts, config, relaunches, generation + 1, args.nprocs,
+                placement, relaunch, spare_hosts, probed = _next_placement(
+                    args, placement, live_on, lost, spare_hosts, config, relaunches, generation + 1,
                     any(e["event"] == "committed" for e in events))
+                lost_all |= probed
                 inject = _nodes.pending_injections(args.inject_text, [e for e in events if e["event"] == "inject"],
                                                    lost_all, host_of)
                 if args.simulate_nodes:

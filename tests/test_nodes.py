@@ -6,11 +6,14 @@ skip, saying so. Each runs real processes under ``mpiexec --with-ft ulfm`` with 
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import assert_bitwise, launch
 from elastic import _nodes, launch as launcher
-from elastic.comm import ConfigError
+from elastic.comm import Config, ConfigError
+from elastic.comm._config import Relaunch
 from elastic.recovery._placement import Layout, pieces
 
 TRAIN = ("examples/train.py",)
@@ -204,3 +207,106 @@ def test_a_node_kill_without_simulated_nodes_is_refused_before_anything_starts(c
     with pytest.raises(SystemExit):
         launcher.parse_args(["-n", "4", "--inject", "1@3:node", "--", "python", "x.py"])
     assert "only simulated nodes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- tier 2's logic, no MPI
+def _three_nodes() -> _nodes.Placement:
+    return _nodes.Placement.first(_nodes.simulated_hosts(3, 6), 6, 0)
+
+
+def test_a_lost_nodes_ranks_go_to_a_spare_node_in_the_same_order():
+    before = _three_nodes()
+    live_on = {0: "node0", 1: "node0", 2: "node1", 3: "node1", 4: "node2", 5: "node2"}
+    placement, relaunch, left = _nodes.replan(before, live_on, {"node1"}, ["node3", "node4"], Config(), 1, 3, 6, True)
+    assert placement.hosts == [("node0", [0, 1]), ("node2", [4, 5]), ("node3", [2, 3])]
+    assert relaunch.table == (0, 1, 4, 5, 2, 3) and left == ["node4"]
+    assert (relaunch.failed, relaunch.replaced, relaunch.removed) == ((2, 3), (2, 3), ())
+    assert (relaunch.count, relaunch.generation, relaunch.lost_nodes, relaunch.committed) == (1, 3, ("node1",), True)
+
+
+def test_without_a_spare_node_the_lost_ranks_are_removed_or_the_launcher_gives_up():
+    before = _three_nodes()
+    live_on = {r: f"node{r // 2}" for r in range(6)}
+    placement, relaunch, _ = _nodes.replan(before, live_on, {"node2"}, [], Config(spares=1), 1, 1, 6, True)
+    assert relaunch.removed == (4, 5) and relaunch.replaced == ()
+    assert placement.hosts == [("node0", [0, 1, _nodes.SPARE]), ("node1", [2, 3])]  # the parked spare too
+    with pytest.raises(_nodes.GiveUp, match="no spare node is left.*does not shrink"):
+        _nodes.replan(before, live_on, {"node2"}, [], Config(rebuild=("spare",)), 1, 1, 6, True)
+    with pytest.raises(_nodes.GiveUp, match="only 4 active ranks are left; the job needs at least 5"):
+        _nodes.replan(before, live_on, {"node2"}, [], Config(min_size=5), 1, 1, 6, True)
+
+
+def test_ranks_are_placed_where_the_last_agreed_commit_had_them(tmp_path):
+    """A rebuild the runtime's end cut short (generation 1, ranks 2-3 gone) does not count: the
+    relaunch resumes from version 4, whose payloads lie on the hosts of its commit."""
+    def events(host: str, pid: int, *records: dict) -> None:
+        lines = [json.dumps({"event": e, "t": t, "pid": pid, "logical": r, "gen": g, "role": "initial", **more})
+                 for e, t, r, g, more in records]
+        (tmp_path / f"events-{host}-{pid}.jsonl").write_text("\n".join(lines) + "\n")
+    for logical, host, pid in ((0, "node0", 10), (1, "node0", 11), (2, "node1", 12), (3, "node1", 13)):
+        events(host, pid, ("committed", 1.0, logical, 0, {"version": 3}),
+               ("committed", 2.0, logical, 0, {"version": 4}),
+               *([("rebuilt", 3.0, logical, 1, {})] if host == "node0" else []))
+    events("node5", 99, ("committed", 1.0, 0, 0, {"version": 9}))  # another launch's process
+    generation, owners, host_of = _nodes.where_ranks_live(tmp_path, {10, 11, 12, 13})
+    assert generation == 1 and owners == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+    assert host_of == {10: "node0", 11: "node0", 12: "node1", 13: "node1"}
+
+
+def test_a_relaunch_owes_only_the_injections_that_did_not_fire():
+    fired = [{"pid": 7, "rank": 2, "step": 20, "point": "step", "action": "node", "gen": 0},
+             {"pid": 8, "rank": 1, "step": 5, "point": "step", "action": "kill", "gen": 0}]
+    text = "node1@20,1@5,1@30,node2@25,node3@restore"
+    left = _nodes.pending_injections(text, fired, {"node3"}, {7: "node1", 8: "node0"})
+    assert left == "1@30,node2@25"  # node1's fired, 1@5 fired, node3 is lost
+    assert _nodes.pending_injections("node1@20", fired, set(), {7: "node1"}) is None
+
+
+def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():
+    from elastic.recovery._store import _newest_whole
+    domains = [[0, 1], [2, 3]]
+    sizes = {0: 100, 1: 100, 2: 100, 3: 100}
+    # Ranks 0, 1 (node0) hold versions 4 and 5; ranks 2, 3 (new, on a spare node) hold nothing.
+    # Version 5: rank 0 sealed it but its copies are not there (held=False): not whole.
+    offers = [{5: (domains, sizes, True, False), 4: (domains, sizes, True, True)},
+              {5: (domains, sizes, True, True), 4: (domains, sizes, True, True)}, {}, {}]
+    assert _newest_whole(offers, [0, 1, 2, 3], 64, 2) == 4
+    assert _newest_whole([{4: (domains, sizes, True, False)}, {}, {}, {}], [0, 1, 2, 3], 64, 2) == 4  # none whole
+    assert _newest_whole([{}, {}], [0, 1], 64, 2) is None
+
+
+def test_node_files_are_private_and_only_this_jobs_are_read(tmp_path):
+    from elastic.recovery._nodestore import NodeFiles
+    files = NodeFiles(str(tmp_path / "elastic-job1"), 3)
+    data = files.create(7, "own", 16)
+    data[:] = 5
+    files.seal(7, {"owner": 3})
+    assert oct(files.dir.stat().st_mode & 0o777) == "0o700"
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files.dir.iterdir()} == \
+        {"v7.own": "0o600", "v7.json": "0o600"}
+    assert [m["version"] for m in files.manifests()] == [7]
+    assert files.open(7, "own", 16).tolist() == [5] * 16 and files.open(7, "own", 15) is None
+    (files.dir / "v9.json").write_text(json.dumps({"job": "elastic-other", "version": 9}))  # a stale job's
+    (files.dir / "v8.json").write_text("{half-written")
+    assert [m["version"] for m in files.manifests()] == [7]
+    files.retire(7)
+    assert sorted(p.name for p in files.dir.iterdir()) == ["v7.json", "v7.own"]
+    files.remove()
+    assert not (tmp_path / "elastic-job1").exists()
+
+
+def test_a_relaunch_travels_in_the_environment():
+    relaunch = Relaunch(2, 5, (0, 1, -1, 4), 6, (2, 3), (), (2, 3), ("node1",), True)
+    config = Config(relaunch=relaunch, node_store="/dev/shm/elastic-x")
+    assert Config.from_env(config.to_env()) == config
+
+
+def test_a_host_that_does_not_answer_the_probe_is_lost(tmp_path):
+    agent = tmp_path / "agent.sh"  # like ssh: AGENT HOST COMMAND; "slow" never answers, "down" refuses
+    agent.write_text('#!/bin/sh\ncase "$1" in slow) exec sleep 30;; down) exit 255;; esac\nexec "$2"\n')
+    agent.chmod(0o700)
+    assert _nodes.unreachable(["up", "slow", "down"], slurm=False, agent=[str(agent)], timeout=1) == {"slow", "down"}
+    assert _nodes.unreachable(["up"], slurm=False, agent=[str(tmp_path / "no-such-ssh")]) == set()  # cannot tell
+    assert _nodes.slurm_says_dead("NodeName=n3 Arch=x86_64\n   State=DOWN+NOT_RESPONDING ThreadsPerCore=1")
+    assert _nodes.slurm_says_dead("   State=IDLE+DRAIN ")
+    assert not _nodes.slurm_says_dead("   State=ALLOCATED ThreadsPerCore=1")
