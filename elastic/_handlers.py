@@ -103,13 +103,17 @@ class Module(Handler):
 
 
 class Rng(Handler):
-    """This process's torch, numpy and python random states."""
+    """This process's torch (CPU, and each CUDA device's once CUDA is in use), numpy and python
+    random states."""
 
     label = "rng"
 
     def capture(self, name: str) -> dict[str, np.ndarray]:
         import torch
         arrays = {f"{name}.torch": torch.get_rng_state().numpy()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from these
+            for i, device_state in enumerate(torch.cuda.get_rng_state_all()):
+                arrays[f"{name}.cuda{i}"] = device_state.numpy()
         arrays.update(split_value(f"{name}.numpy", np.random.get_state()))
         arrays.update(split_value(f"{name}.python", random.getstate()))
         return arrays
@@ -117,6 +121,9 @@ class Rng(Handler):
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
         import torch
         torch.set_rng_state(torch.from_numpy(np.array(arrays[f"{name}.torch"])))
+        cuda = sorted((k for k in arrays if k.startswith(f"{name}.cuda")), key=lambda k: int(k[len(name) + 5:]))
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.from_numpy(np.array(arrays[k])) for k in cuda])
         np.random.set_state(join_value(f"{name}.numpy", arrays))
         random.setstate(join_value(f"{name}.python", arrays))
 
@@ -197,9 +204,17 @@ def from_array(array: np.ndarray, kind: str) -> Any:
 
 
 def tensor_array(tensor: Any) -> np.ndarray:
-    """A CPU view of a tensor's bytes (no copy for contiguous CPU tensors; bfloat16 travels as int16)."""
+    """A CPU view of a tensor's bytes (no copy for contiguous CPU tensors; bfloat16 travels as int16).
+    A GPU tensor is copied once, by DMA, into pinned host memory (torch's caching host allocator
+    reuses it commit after commit), which the store then sends from: never through pageable memory."""
     import torch
-    tensor = tensor.detach().cpu()
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)  # synchronous: the bytes are there when this returns
+        tensor = host
+    else:
+        tensor = tensor.cpu()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy()
@@ -241,5 +256,9 @@ def copy_into(tensor: Any, array: np.ndarray) -> None:
         source = torch.from_numpy(array)
     if tensor.dtype == torch.bfloat16:
         source = source.view(torch.bfloat16)
+    if tensor.is_cuda:  # to the device by DMA from pinned memory: one host copy, into the staging buffer
+        staging = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        staging.copy_(source)
+        source = staging
     with torch.no_grad():
         tensor.copy_(source.reshape(tensor.shape))

@@ -16,8 +16,12 @@ closed connection at once) raises in the program; ``elastic.run`` treats it
 as the ``ProcessFailure`` the MPI side would raise (``is_peer_failure``), so
 the job recovers as usual. A stopped peer is found by the sentinel's
 heartbeat (``--hang-timeout``), which kills it: its connections close and the
-group's collectives fail at once. CPU: Gloo. NCCL (``backend="nccl"``) is the
-GPU path; it is not exercised on this machine (no GPU).
+group's collectives fail at once. CPU: Gloo. NCCL (``backend="nccl"``, the
+default where CUDA is present) is the GPU path: its watchdog is set to abort
+the communicator and raise in the program on a timeout or a peer's error
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) instead of ending the process, so the
+rank joins the recovery. Written, and tested only where a GPU is (none here:
+``tests/test_gpu.py`` skips, saying so).
 
 Multi-node: rank 0's address is its hostname's; Gloo picks its interface from
 the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
@@ -25,6 +29,7 @@ the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any
 
@@ -88,6 +93,8 @@ class ProcessGroup:
         if world.rank != 0:
             self._store = dist.TCPStore(host, port, world.size, False, timeout=self.timeout)
         prefixed = dist.PrefixStore(f"elastic/{world.generation}", self._store)
+        if self.backend == "nccl":  # a peer's death raises here instead of tearing this process down
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
                                 timeout=self.timeout)
         self._generation = world.generation

@@ -412,7 +412,9 @@ class _Attempt:
     """One mpiexec run of the job, watched to its end (local)."""
 
     def __init__(self, args: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
-        self.args, self.got, self.stopping = args, [], []  # type: ignore[var-annotated]
+        self.args = args
+        self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
+        self.leftovers: list[int] = []
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.outputs = [_Output(self.proc.stdout, sys.stdout), _Output(self.proc.stderr, sys.stderr)]  # type: ignore

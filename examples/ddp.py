@@ -8,6 +8,11 @@ the State holds the model itself, so the roll-back and the optimizer keep the
 same parameters.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/ddp.py --steps 40
+    python -m elastic.launch -n 2 --spares 1 --inject 1@20 -- python examples/ddp.py --device cuda  # GPUs: NCCL
+
+On GPUs (``--device cuda``: each rank on ``elastic.device(world)``) the group is NCCL's
+(``--backend gloo`` also moves CUDA tensors), cuBLAS runs deterministically, and the State
+holds the CUDA RNG states too; NCCL wants one GPU per rank.
 
 With a spare or a spawned replacement the final model and optimizer are bitwise
 those of a failure-free run; after a shrink the global batches stay the same.
@@ -15,6 +20,7 @@ those of a failure-free run; after a shrink the global batches stay the same.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -30,16 +36,26 @@ def main() -> int:
     add_arguments(parser)
     parser.add_argument("--group-timeout", type=float, default=30.0,
                         help="seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model trains (cuda: this rank's GPU, elastic.device)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
     args = parser.parse_args()
+    if args.device == "cuda":  # bitwise runs need deterministic cuBLAS kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     x, y, model = setup(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     world = elastic.init()
+    device = elastic.device(world) if args.device == "cuda" else torch.device("cpu")
+    model.to(device)  # the optimizer keeps the same parameters (its state is made at the first step)
+    x, y = x.to(device), y.to(device)
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
                                loss=float("nan"))
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
     ddp = elastic.distributed.DistributedDataParallel(
-        world, model, elastic.distributed.ProcessGroup(world, timeout=args.group_timeout))
+        world, model, elastic.distributed.ProcessGroup(
+            world, backend=args.backend or ("nccl" if device.type == "cuda" else "gloo"), timeout=args.group_timeout))
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
@@ -47,7 +63,7 @@ def main() -> int:
             world.fault_point(state.step)
             optimizer.zero_grad()
             mine = batches.shard(state.step, world)
-            idx = torch.from_numpy(mine)
+            idx = torch.from_numpy(mine).to(device)
             # DDP averages over the ranks: times the world size over the global batch gives the
             # global mean whatever share each rank has (4 ranks or 3).
             share = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx], reduction="sum")

@@ -100,7 +100,7 @@ def digest(state_dict: dict) -> str:
 
     def walk(obj):
         if isinstance(obj, torch.Tensor):
-            h.update(obj.detach().contiguous().numpy().tobytes())
+            h.update(obj.detach().cpu().contiguous().numpy().tobytes())
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 h.update(str(k).encode())
