@@ -28,7 +28,9 @@ without a signal), ``raise`` (``InjectedFault``, an exception in user code),
 that never returns: found by the progress timeout), ``node`` (the rank's whole
 node: its runtime daemon and every process under it, frozen at once, then
 killed; only on simulated nodes, whose memory dies with them: the launcher
-writes ``nodeK@STEP`` as this on node K's first rank).
+writes ``nodeK@STEP`` as this on node K's first rank), ``runtime`` (SIGKILL to
+the job's ``prterun``: the runtime is gone, every node's memory stays; the
+processes are left to the launcher).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from .wire import message
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
-ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime")
 STEP_POINTS = ("step", "collective", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
@@ -141,6 +143,8 @@ class FaultInjector:
                         time.sleep(3600)
                 elif entry.action == "node":
                     _kill_node()
+                elif entry.action == "runtime":
+                    _kill_runtime()
                 else:
                     raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")
 
@@ -171,6 +175,17 @@ def _kill_node() -> None:
             except ProcessLookupError:
                 pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_runtime() -> None:
+    """SIGKILL the job's runtime (``prterun``, an ancestor of every rank), then wait to be ended."""
+    runtime = os.getpid()
+    while runtime > 1 and _proc_field(runtime, "comm") != "prterun":
+        runtime = int(_proc_field(runtime, "ppid") or 1)
+    if runtime > 1:
+        os.kill(runtime, signal.SIGKILL)
+    while True:  # the launcher ends what the runtime left behind
+        time.sleep(3600)
 
 
 def _proc_field(pid: int, field: str) -> str | None:

@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     _report(summary, args.run_dir, notes)
     summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
                     "signal": signal.Signals(got[0]).name if got else None, "relaunches": relaunches,
-                    "launches": launches, "lost_nodes": sorted(lost_all)})
+                    "launches": launches, "lost_nodes": sorted(lost_all), "job": args.job})
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return rc
 

@@ -71,6 +71,13 @@ class NodeFiles:
             if keep is None or not path.name.startswith(f"v{keep}."):
                 path.unlink(missing_ok=True)
 
+    def prune(self, keep: set[int]) -> None:
+        """Remove the directories of logical ranks other than ``keep`` (the node's ranks now): a
+        rank whose process died here, its state since committed elsewhere (local)."""
+        for path in self.root.glob("L*"):
+            if path.name[1:].isdigit() and int(path.name[1:]) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
     def manifests(self) -> list[dict[str, Any]]:
         """This rank's sealed versions of this job on this node, newest first."""
         found = []

@@ -305,6 +305,8 @@ class ReplicatedStore:
         if self._node is not None:
             payload = persisted
             self._node.retire(version)
+            if world.local_rank == 0:  # every rank sealed this version: older ones of ranks gone from here go
+                self._node.prune(set(world.members.host_peers()))
         elif self.rollback_copy:
             payload = _pack(segments, total, old.payloads.get(me) if old else None)
         else:

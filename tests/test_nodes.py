@@ -7,6 +7,7 @@ skip, saying so. Each runs real processes under ``mpiexec --with-ft ulfm`` with 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,21 @@ def test_a_lost_node_without_a_spare_node_shrinks_to_the_others(tmp_path, six):
     assert "logical ranks [2, 3] removed (shrink)" in job.output
     finished = sorted(o["logical"] for o in job.outcomes if o["status"] == "finished")
     assert finished == [0, 1, 4, 5]
+
+
+@pytest.mark.fault
+def test_a_killed_runtime_is_relaunched_on_the_same_host_from_its_memory(tmp_path, reference):
+    """prterun killed at step 20 (no node lost): every process is ended; the relaunch on the
+    same host takes version 3 back from the files its ranks left in /dev/shm, and nothing else."""
+    program = TRAIN + STEPS
+    job = launch(tmp_path, 4, "--relaunches", "1", "--inject", "2@20:runtime", program=program)
+    assert_bitwise(job, reference(program), "optimizer_sha256")
+    assert job.summary["relaunches"] == 1 and job.summary["lost_nodes"] == []
+    assert "the runtime ended unfinished: relaunch 1 of 1" in job.output
+    attached = _relaunched(job)
+    assert len(attached) == 4 and {a["chosen"] for a in attached} == {3}
+    assert all(e["dead"] == [] and e["bytes_moved"] == 0 for e in job.of("store_recovered"))  # all local
+    assert not (Path("/dev/shm") / job.summary["job"]).exists()  # the node memory is freed at the end
 
 
 def _domains_that_keep_a_chunk_on_node1() -> str:
@@ -291,6 +307,9 @@ def test_node_files_are_private_and_only_this_jobs_are_read(tmp_path):
     assert [m["version"] for m in files.manifests()] == [7]
     files.retire(7)
     assert sorted(p.name for p in files.dir.iterdir()) == ["v7.json", "v7.own"]
+    other = NodeFiles(str(tmp_path / "elastic-job1"), 5)  # a rank whose process died on this node
+    files.prune({3})
+    assert files.dir.exists() and not other.dir.exists()
     files.remove()
     assert not (tmp_path / "elastic-job1").exists()
 
