@@ -100,7 +100,10 @@ def build_command(args: argparse.Namespace, nprocs: int, hosts: list[tuple[str, 
         cmd += ["--mca", "plm_rsh_agent", str(args.agent)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    if args.oversubscribe or nprocs > slots:
+    # PRRTE does not give a dead process's slot to a spawned one: with every slot taken, Spawn fails
+    # (MPI_ERR_UNKNOWN). The replacement takes the dead one's core; the slot count only says no.
+    spawns = "spawn" in args.config.rebuild and (hosts is not None or args.hosts)
+    if args.oversubscribe or nprocs > slots or spawns:
         cmd.append("--oversubscribe")
     if nprocs > (os.cpu_count() or 1):
         cmd += ["--bind-to", "none"]  # more processes than cores (slots can exceed them under Slurm)

@@ -47,6 +47,17 @@ def test_a_spare_on_another_node_replaces_a_killed_rank_bitwise(tmp_path, refere
 
 @pytest.mark.fault
 @needs_fake_nodes
+def test_a_spawned_process_replaces_a_killed_rank_across_nodes_bitwise(tmp_path, reference):
+    """Spawn needs a free slot: PRRTE keeps a dead process's, so with every slot taken Spawn failed
+    (MPI_ERR_UNKNOWN) until the launcher allowed oversubscription for jobs that may spawn."""
+    job = launch(tmp_path, 4, "--simulate-nodes", "2", "--rebuild", "spawn", "--inject", "1@13", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert [e["host"] for e in job.outcomes if e["role"] == "recovered" and e["status"] == "finished"] == ["node0"]
+    assert "--oversubscribe" in job.output and not job.of("spawn_failed")
+
+
+@pytest.mark.fault
+@needs_fake_nodes
 def test_shrink_across_nodes_keeps_the_global_batches(tmp_path, reference):
     program = TRAIN + ("--dropout", "0")
     job = launch(tmp_path, 4, "--simulate-nodes", "2", "--rebuild", "shrink", "--inject", "3@13", program=program)
