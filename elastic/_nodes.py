@@ -160,13 +160,14 @@ class Placement:
 
 
 def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str], dict[int, str]]:
-    """(last generation, logical rank -> host at the last agreed commit, pid -> host) from the events
-    of ``pids``. The commit's hosts, not the last generation's: a relaunch resumes from that commit,
-    whose payloads lie in those hosts' memory (a rebuild the runtime's end cut short changes
-    nothing there). Empty when nothing was committed in this launch."""
+    """(last generation, logical rank -> host in the generation of the last agreed commit, pid ->
+    host) from the events of ``pids``. That commit's generation, not the last one: a relaunch
+    resumes from the commit, whose payloads lie in those hosts' memory (a rebuild the runtime's
+    end cut short changes nothing there). Every active rank of that generation counts, also one
+    frozen with its node before it could write the commit down. Empty when nothing was committed."""
     host_of: dict[int, str] = {}
-    generation, last = -1, (-1.0, -1, -1)  # last: (time, version, generation) of the last commit
-    commits: list[tuple[int, int, int, str]] = []      # (version, generation, logical, host)
+    generation, last_commit = -1, (-1.0, -1)  # (time, generation) of the last commit
+    held: dict[tuple[int, int], tuple[float, str]] = {}  # (generation, logical) -> (time, host) of its last event
     for path in run_dir.glob("events-*.jsonl"):
         host, _, pid_text = path.stem[len("events-"):].rpartition("-")
         if not pid_text.isdigit() or int(pid_text) not in pids:
@@ -177,11 +178,13 @@ def where_ranks_live(run_dir: Path, pids: set[int]) -> tuple[int, dict[int, str]
                 event = json.loads(line)
             except ValueError:
                 continue  # the last line of a process killed while writing it
-            generation = max(generation, event.get("gen", 0))
+            gen, logical = event.get("gen", 0), event.get("logical")
+            generation = max(generation, gen)
             if event.get("event") == "committed":
-                commits.append((event["version"], event["gen"], event["logical"], host))
-                last = max(last, (event["t"], event["version"], event["gen"]))
-    owners = {logical: host for version, gen, logical, host in commits if (version, gen) == last[1:]}
+                last_commit = max(last_commit, (event["t"], gen))
+            if logical is not None and event.get("role") != "spare":
+                held[(gen, logical)] = max(held.get((gen, logical), (-1.0, "")), (event["t"], host))
+    owners = {logical: host for (gen, logical), (_, host) in held.items() if gen == last_commit[1]}
     return generation, owners, host_of
 
 
