@@ -85,6 +85,11 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
                       sentinel=world.watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
+    if relaunch is not None:  # the report's timeline: a recovery like a rebuild, by a relaunch
+        world.events.emit("rebuilt", mode="relaunch", failed=relaunch.failed, replaced=relaunch.replaced,
+                          removed=relaunch.removed, lost_spares=0, attempts=relaunch.count, size=members.actives(),
+                          durations={}, causes=[{"what": f"node {n} lost"} for n in relaunch.lost_nodes], streak=1,
+                          lost_nodes=relaunch.lost_nodes)
     if role is Role.SPARE:
         _spares.park(world)
     else:

@@ -85,7 +85,8 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "gen": gen,
             "failed": rebuilt[0]["failed"],
             "mode": rebuilt[0]["mode"],
-            "reason": decisions[-1]["reason"] if decisions else "",
+            "reason": _relaunch_reason(rebuilt[0]) if rebuilt[0]["mode"] == "relaunch" else
+            decisions[-1]["reason"] if decisions else "",
             "detect": 1e3 * (min(seen) - start) if seen and kills else None,
             "agree": 1e3 * max(e["durations"].get("agree", 0.0) for e in rebuilt),
             "rebuild": 1e3 * max(sum(e["durations"].get(k, 0.0) for k in ("shrink", "substitute", "install"))
@@ -103,6 +104,14 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "failed_at_step": last_before,
         })
     return rows
+
+
+def _relaunch_reason(rebuilt: dict) -> str:
+    lost = ", ".join(rebuilt.get("lost_nodes") or []) or "none named"
+    moved = [f"{what} {ranks}" for what, ranks in (("on spare nodes:", rebuilt["replaced"]),
+                                                   ("removed:", rebuilt["removed"])) if ranks]
+    return f"the runtime ended (nodes lost: {lost}); relaunch {rebuilt['attempts']} from the nodes' memory" + \
+        (f", logical ranks {'; '.join(moved)}" if moved else "")
 
 
 def trace(events: list[dict]) -> dict[str, Any]:
@@ -171,7 +180,8 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
         lines.append(" ".join(f"{c:>9.1f}" if isinstance(c, float) else f"{'-' if c is None else c!s:>9}"
                               for c in cells))
     for r in rows:
-        causes = "; ".join(f"logical rank {c.get('logical')}: {c['what']}" for c in r["causes"])
+        causes = "; ".join(c["what"] if c.get("logical") is None else f"logical rank {c['logical']}: {c['what']}"
+                           for c in r["causes"])
         interrupted = "; recovery interrupted by the next failure" if r["restore"] is None else ""
         lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
                      + (f"; died: {causes}" if causes else "") + interrupted)

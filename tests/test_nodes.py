@@ -16,6 +16,7 @@ from elastic import _nodes, launch as launcher
 from elastic.comm import Config, ConfigError
 from elastic.comm._config import Relaunch
 from elastic.recovery._placement import Layout, pieces
+from elastic.report import timeline
 
 TRAIN = ("examples/train.py",)
 
@@ -125,6 +126,8 @@ def test_a_lost_node_comes_back_on_a_spare_node_bitwise(tmp_path, six):
     recovered = [e for e in job.of("store_recovered") if e["gen"] == 1]
     assert recovered and all(e["dead"] == [2, 3] for e in recovered)
     assert "relaunch 1 of 2 on node0, node2, node3" in job.output
+    rows = [r for r in timeline(job.events) if r["mode"] == "relaunch"]  # the report shows it as a recovery
+    assert len(rows) == 1 and rows[0]["failed"] == [2, 3] and rows[0]["down"] > 0 and rows[0]["restore"] > 0
 
 
 @pytest.mark.fault
