@@ -257,6 +257,16 @@ def steady(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> dict:
     return out
 
 
+def _configurations(a: argparse.Namespace, width: int):
+    """The (ranks, MB per rank) pairs to run, in order; those over --max-total-mb are skipped, saying so."""
+    for n in a.ranks:
+        for mb in a.sizes:
+            if n * mb > a.max_total_mb:
+                print(f"{n:>{width}} {mb:>{width}}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
+                continue
+            yield n, mb
+
+
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 
@@ -290,24 +300,20 @@ def main() -> int:
             "rebuild", "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
     print(" ".join(f"{h:>9}" for h in head), flush=True)
     results = []
-    for n in a.ranks:
-        for mb in a.sizes:
-            if n * mb > a.max_total_mb:
-                print(f"{n:>9} {mb:>9}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
-                continue
-            with tempfile.TemporaryDirectory(dir=a.out) as tmp:
-                rows = {m: in_memory(n, mb, m, a, Path(tmp)) for m in ("shrink", "spare", "spawn")}
-                rows["restart"] = restart(n, mb, a, Path(tmp))
-                flat = steady(n, mb, a, Path(tmp))
-            r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat}
-            results.append(r)
-            d = med(rows["restart"], "total")
-            cells = (n, mb, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn")), d,
-                     *(d / med(rows[m], "total") for m in ("shrink", "spare", "spawn")),
-                     med(rows["spare"], "rebuild"), med(rows["spare"], "restore"), med(rows["spare"], "redo"),
-                     med(rows["restart"], "teardown"), med(rows["restart"], "relaunch"),
-                     med(rows["restart"], "load"), med(rows["restart"], "save"))
-            print(" ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
+    for n, mb in _configurations(a, 9):
+        with tempfile.TemporaryDirectory(dir=a.out) as tmp:
+            rows = {m: in_memory(n, mb, m, a, Path(tmp)) for m in ("shrink", "spare", "spawn")}
+            rows["restart"] = restart(n, mb, a, Path(tmp))
+            flat = steady(n, mb, a, Path(tmp))
+        r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat}
+        results.append(r)
+        d = med(rows["restart"], "total")
+        cells = (n, mb, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn")), d,
+                 *(d / med(rows[m], "total") for m in ("shrink", "spare", "spawn")),
+                 med(rows["spare"], "rebuild"), med(rows["spare"], "restore"), med(rows["spare"], "redo"),
+                 med(rows["restart"], "teardown"), med(rows["restart"], "relaunch"),
+                 med(rows["restart"], "load"), med(rows["restart"], "save"))
+        print(" ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
     print("\nphases of (a-c): rebuild (kill -> recovery under way), restore, redo; shown for spare above.\n"
           "Steady state: seconds per step with commits amortised, and that over no fault tolerance ('x'). "
           "This job's steps are milliseconds; the cost of a commit ('commit s') is what carries to a real step.",
@@ -334,20 +340,16 @@ def node_main(a: argparse.Namespace) -> int:
             "redo", "r:teardown", "r:relaunch", "r:load", "ckpt save")
     print(" ".join(f"{h:>10}" for h in head), flush=True)
     results = []
-    for n in a.ranks:
-        for mb in a.sizes:
-            if n * mb > a.max_total_mb:
-                print(f"{n:>10} {mb:>10}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
-                continue
-            with tempfile.TemporaryDirectory(dir=a.out) as tmp:
-                tier2 = node_loss(n, mb, a, Path(tmp))
-                again = restart(n, mb, a, Path(tmp), nodes=a.nodes)
-            results.append({"ranks": n, "mb": mb, "tier2": tier2, "restart": again})
-            t2, d = med(tier2, "total"), med(again, "total")
-            cells = (n, mb, t2, d, d / t2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
-                                                                      "resume", "redo")),
-                     *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
-            print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
+    for n, mb in _configurations(a, 10):
+        with tempfile.TemporaryDirectory(dir=a.out) as tmp:
+            tier2 = node_loss(n, mb, a, Path(tmp))
+            again = restart(n, mb, a, Path(tmp), nodes=a.nodes)
+        results.append({"ranks": n, "mb": mb, "tier2": tier2, "restart": again})
+        t2, d = med(tier2, "total"), med(again, "total")
+        cells = (n, mb, t2, d, d / t2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
+                                                                  "resume", "redo")),
+                 *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
+        print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
     (a.out / "bench_node_loss.json").write_text(json.dumps({"interval": a.interval, "nodes": a.nodes,
                                                             "results": results}, indent=1))
     return 0
