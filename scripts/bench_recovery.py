@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -257,7 +258,7 @@ def steady(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> dict:
     return out
 
 
-def _configurations(a: argparse.Namespace, width: int):
+def _configurations(a: argparse.Namespace, width: int) -> Iterator[tuple[int, int]]:
     """The (ranks, MB per rank) pairs to run, in order; those over --max-total-mb are skipped, saying so."""
     for n in a.ranks:
         for mb in a.sizes:
