@@ -101,8 +101,9 @@ def build_command(args: argparse.Namespace, nprocs: int, hosts: list[tuple[str, 
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     # PRRTE does not give a dead process's slot to a spawned one: with every slot taken, Spawn fails
-    # (MPI_ERR_UNKNOWN). The replacement takes the dead one's core; the slot count only says no.
-    spawns = "spawn" in args.config.rebuild and (hosts is not None or args.hosts)
+    # (MPI_ERR_UNKNOWN). Across hosts the launcher fills every slot itself, so it lets a replacement
+    # take the dead one's core; on one host given full, the rebuild falls through to the next mode.
+    spawns = "spawn" in args.config.rebuild and len(hosts if hosts is not None else args.hosts) > 1
     if args.oversubscribe or nprocs > slots or spawns:
         cmd.append("--oversubscribe")
     if nprocs > (os.cpu_count() or 1):
