@@ -572,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
         if args.simulate_nodes:
             shutil.rmtree(memory, ignore_errors=True)
+        elif not args.hosts:  # this machine is the job's only node: its memory is this launcher's to free
+            shutil.rmtree(Path("/dev/shm") / args.job, ignore_errors=True)
     assert attempt is not None
     timed_out = bool(attempt.stopping) and not got
     summary = summarize(args.run_dir, config.inject)  # what the last launch still owed: fired, or never
@@ -595,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(sorted(lost_all)) or 'none'})")
     if leftovers:
         notes.append(f"killed {leftovers} processes left behind by the job")
-    if args.relaunches and rc and not args.simulate_nodes:
+    if args.relaunches and rc and args.hosts and not args.simulate_nodes:
         notes.append(f"node memory of this job may be left in /dev/shm/{args.job} on the hosts: remove it there")
     _report(summary, args.run_dir, notes)
     summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
