@@ -10,9 +10,8 @@ import dataclasses
 
 from mpi4py import MPI
 
-from ._ranks import LogicalRank
+from ._ranks import SPARE, LogicalRank
 
-SPARE = -1  # membership-table entry of a parked spare
 Proc = tuple[str, int]  # (host, pid) of a universe rank
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import enum
 
 
+SPARE = -1  # membership-table entry of a parked spare (here, beside the ranks: importing it starts no MPI)
+
+
 class LogicalRank(int):
     """The rank a piece of work belongs to; stable across rebuilds."""
 

@@ -30,8 +30,7 @@ from typing import Iterable, Mapping
 
 from elastic.comm import Config, ConfigError
 from elastic.comm._config import Relaunch
-
-SPARE = -1  # a table entry: a parked spare
+from elastic.comm._ranks import SPARE
 
 # Across nodes Open MPI picks its hierarchical collectives (coll/han), which crash after a process
 # failure; the flat ones survive it. Tier 1 (ULFM) across nodes needs this.
@@ -141,8 +140,8 @@ class Placement:
         """Processes fill the hosts' slots in order: logical ranks 0..nprocs-1, then the spares."""
         entries = list(range(nprocs)) + [SPARE] * spares
         out, start = [], 0
-        for name, slots in hosts:
-            take = entries[start:start + slots] if name != hosts[-1][0] else entries[start:]
+        for i, (name, slots) in enumerate(hosts):
+            take = entries[start:start + slots] if i < len(hosts) - 1 else entries[start:]  # the last: the rest
             if take:
                 out.append((name, take))
             start += len(take)

@@ -311,7 +311,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.job = f"elastic-{uuid.uuid4().hex[:12]}"  # names the node memory of this job, and only this job's
     if args.relaunches:
         args.config = args.config.replace(node_store=f"/dev/shm/{args.job}")
-    args.schedule = args.config.inject
     return args
 
 
