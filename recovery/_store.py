@@ -383,15 +383,20 @@ class ReplicatedStore:
                 offers[doc["version"]] = doc, own, self._node.open(doc["version"], "held", doc["held"]["nbytes"])
             except (KeyError, TypeError, ValueError):
                 continue  # not a manifest this store wrote
-        summary = {v: (doc["domains"], {int(o): int(n) for o, n in doc["sizes"].items()}, own is not None,
-                       buffer is not None) for v, (doc, own, buffer) in offers.items()}
+        # What each rank holds, without the layout (O(ranks) each): it is sent once per version looked at.
+        summary = {v: ({int(o): int(n) for o, n in doc["sizes"].items()}, own is not None, buffer is not None)
+                   for v, (doc, own, buffer) in offers.items()}
         try:
             everyone = world.allgather(summary)
         except ProcessFailure:
             if offers:  # lost during the attach: keep the newest here; the next recovery takes it from there
                 self._keep(max(offers), *offers[max(offers)])
             raise
-        chosen = _newest_whole(everyone, [int(r) for r in world.logical_ranks], self.chunk_bytes, self.replication)
+        def layout_of(version: int) -> Layout:  # collective: every rank asks for the same versions in turn
+            root = next(i for i, offer in enumerate(everyone) if version in offer)
+            return world.bcast(_layout(offers[version][0]["domains"]) if world.rank == root else None, root=root)
+        chosen = _newest_whole(everyone, [int(r) for r in world.logical_ranks], self.chunk_bytes, self.replication,
+                               layout_of)
         world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
         if chosen is not None:
             world.committed = True
@@ -518,17 +523,18 @@ def _layout(domains: list[list[int]]) -> Layout:
     return Layout.of({r: str(d) for d, members in enumerate(domains) for r in members})
 
 
-def _newest_whole(offers: list[dict], active: list[int], chunk_bytes: int, replication: int) -> int | None:
+def _newest_whole(offers: list[dict], active: list[int], chunk_bytes: int, replication: int,
+                  layout_of: Callable[[int], Layout]) -> int | None:
     """The newest version that the ranks' offers hold whole: every owner's payload on a live rank,
-    or each of its chunks in some live rank's copies (local: the same on every rank). When none
-    is, the newest offered (its recovery then names what is lost); None when nothing is offered."""
+    or each of its chunks in some live rank's copies (the same on every rank; ``layout_of``
+    gives a version's layout). When none is, the newest offered (its recovery then names what is
+    lost); None when nothing is offered."""
     versions = sorted({v for offer in offers for v in offer}, reverse=True)
     for v in versions:
-        domains = next(offer[v][0] for offer in offers if v in offer)
-        layout = _layout(domains)
-        whole = {r for r, offer in zip(active, offers) if v in offer and offer[v][2]}
-        live = {r for r, offer in zip(active, offers) if v in offer and offer[v][3]}
-        sizes = {o: n for offer in offers if v in offer for o, n in offer[v][1].items()}
+        layout = layout_of(v)
+        whole = {r for r, offer in zip(active, offers) if v in offer and offer[v][1]}
+        live = {r for r, offer in zip(active, offers) if v in offer and offer[v][2]}
+        sizes = {o: n for offer in offers if v in offer for o, n in offer[v][0].items()}
         dead = [o for o in layout.ranks if o not in whole]
         if any(o not in sizes for o in dead):
             continue

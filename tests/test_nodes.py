@@ -294,15 +294,20 @@ def test_a_relaunch_owes_only_the_injections_that_did_not_fire():
 
 def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():
     from elastic.recovery._store import _newest_whole
-    domains = [[0, 1], [2, 3]]
+    layout = Layout.of({0: "a", 1: "a", 2: "b", 3: "b"})
+    asked: list[int] = []
+
+    def layout_of(version: int) -> Layout:
+        asked.append(version)
+        return layout
     sizes = {0: 100, 1: 100, 2: 100, 3: 100}
     # Ranks 0, 1 (node0) hold versions 4 and 5; ranks 2, 3 (new, on a spare node) hold nothing.
     # Version 5: rank 0 sealed it but its copies are not there (held=False): not whole.
-    offers = [{5: (domains, sizes, True, False), 4: (domains, sizes, True, True)},
-              {5: (domains, sizes, True, True), 4: (domains, sizes, True, True)}, {}, {}]
-    assert _newest_whole(offers, [0, 1, 2, 3], 64, 2) == 4
-    assert _newest_whole([{4: (domains, sizes, True, False)}, {}, {}, {}], [0, 1, 2, 3], 64, 2) == 4  # none whole
-    assert _newest_whole([{}, {}], [0, 1], 64, 2) is None
+    offers = [{5: (sizes, True, False), 4: (sizes, True, True)}, {5: (sizes, True, True), 4: (sizes, True, True)},
+              {}, {}]
+    assert _newest_whole(offers, [0, 1, 2, 3], 64, 2, layout_of) == 4 and asked == [5, 4]
+    assert _newest_whole([{4: (sizes, True, False)}, {}, {}, {}], [0, 1, 2, 3], 64, 2, layout_of) == 4  # none whole
+    assert _newest_whole([{}, {}], [0, 1], 64, 2, layout_of) is None
 
 
 def test_node_files_are_private_and_only_this_jobs_are_read(tmp_path):
