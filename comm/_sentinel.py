@@ -21,10 +21,20 @@ failure within milliseconds and recover. Each time it writes
 ``fate-<host>-<pid>.json`` (pid: the program's) in the run directory, saying
 how the process ended, which the launcher lists. SIGTERM / SIGINT / SIGHUP are
 passed on to the program, which gets ``term_grace`` seconds to leave before it
-is killed. The settings are the job's ``Config``. This module imports no MPI.
+is killed; unless it then left on purpose (an announced exit), the sentinel
+dies by the same signal: a plain non-zero exit would be a death nobody sees.
+
+The sentinel must never be the weak link. Its program dies with it: the
+program gets SIGKILL the moment the sentinel ends, however it ends
+(``PR_SET_PDEATHSIG``), so a sentinel's crash is exactly one rank's failure,
+never a program left running in MPI after the runtime counted it dead. A
+stopped sentinel is found by its program's heartbeat thread (``_watchdog``),
+which kills it after the hang bound. The settings are the job's ``Config``.
+This module imports no MPI.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -33,16 +43,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ._config import Config
 from ._errors import ConfigError
-from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, Page
+from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, STOPPED_SENTINEL_SECONDS, Page
 
 EXIT_GRACE = 30.0        # after an announced exit: MPI_Finalize may hang after failures (ompi #11404)
 POLL_SECONDS = 0.1
 DUMP_SECONDS = 1.0       # time given to a stuck process to print its traceback (SIGUSR1) before the kill
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_PDEATHSIG = 1
 
 
 class Sentinel:
@@ -54,6 +65,8 @@ class Sentinel:
         self.term_grace = config.term_grace
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.page = Page.create()
+        # The program watches this process too (a stopped sentinel), within the same bound.
+        self.page["bound_ms"] = int(1000 * (self.hang_timeout or STOPPED_SENTINEL_SECONDS))
         self.seen: dict[str, int | None] = self.page.read()
         self.last_beat: float | None = None      # liveness is armed by the first heartbeat
         self.last_progress = time.monotonic()
@@ -64,10 +77,11 @@ class Sentinel:
     def run(self) -> int:
         env = {**os.environ, SENTINEL_FD_ENV: str(self.page.fd), SENTINEL_PID_ENV: str(os.getpid())}
         try:
-            self.child = subprocess.Popen(self.command, pass_fds=(self.page.fd,), env=env)
+            self.child = subprocess.Popen(self.command, pass_fds=(self.page.fd,), env=env,
+                                          preexec_fn=_die_with_parent(os.getpid()))
         except OSError as exc:
             sys.stderr.write(f"[sentinel] cannot start {self.command!r}: {exc}\n")
-            return 127
+            self._die()  # a plain exit code would leave the others waiting for this rank
         for sig in _FORWARDED:
             signal.signal(sig, self._forward)
         verdict = self._watch()
@@ -80,11 +94,10 @@ class Sentinel:
             return announced
         if self.signalled is not None:
             self._write_fate("terminated", signal=signal.Signals(self.signalled).name, code=code)
-            return 128 + self.signalled
+            self._die(self.signalled)
         ended = {"signal": signal.Signals(-code).name} if code < 0 else {"code": code}
         self._write_fate("died", **ended)
         self._die()
-        return 1  # not reached
 
     # ------------------------------------------------------------------ watching
     def _watch(self) -> str | None:
@@ -143,15 +156,18 @@ class Sentinel:
         announced = self.page.read()["exit"]
         if verdict == "stuck-exiting" and announced is not None:
             return announced   # it had left the job already; only MPI_Finalize hung
-        if verdict == "terminated" and self.signalled is not None:
-            return 128 + self.signalled
-        self._die()
-        return 1  # not reached
+        self._die(self.signalled if verdict == "terminated" and self.signalled is not None else signal.SIGKILL)
 
-    def _die(self) -> None:
-        """Die by SIGKILL: the one end of this process that Open MPI reports to the survivors."""
+    def _die(self, sig: int = signal.SIGKILL) -> NoReturn:
+        """Die by ``sig``: an end by a signal is the one Open MPI reports to the survivors (a plain
+        non-zero exit never is). A signal the sentinel was sent dies as that signal, so that whoever
+        sent it (a batch system's SIGTERM) sees its own signal in the exit status."""
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), signal.SIGKILL)  # a signal the process could not die of (blocked): no other end
+        raise AssertionError("not reached")
 
     def _write_fate(self, end: str, **fields: Any) -> None:
         if self.run_dir is None:
@@ -166,6 +182,19 @@ class Sentinel:
             tmp.replace(path)
         except OSError as exc:
             sys.stderr.write(f"[sentinel] could not record the end of pid {pid}: {exc}\n")
+
+
+def _die_with_parent(sentinel: int) -> Any:
+    """The program's first act (between fork and exec): SIGKILL when its parent, this sentinel, ends.
+    Linux only; elsewhere the program's heartbeat thread finds an orphan within half a second."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
+
+    def arm() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != sentinel:  # the sentinel died before the signal was armed
+                os.kill(os.getpid(), signal.SIGKILL)
+    return arm
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,11 @@ system call, even once per step:
 * ``deadline``: a one-shot bound on one operation (a spawned process joining).
 * ``exit``: the process is about to leave on purpose, with this code; any other
   end (``os._exit``, a native ``exit()``, a signal) is a failure.
+* ``bound_ms`` (written by the sentinel): how long the sentinel may stay stopped
+  (SIGSTOP) before the heartbeat thread here kills it. The runtime watches the
+  sentinel, not this process, so a stopped sentinel would hide any end of this
+  one; killed, it takes this process with it (its parent-death signal) and the
+  survivors see one failure.
 
 Without a sentinel every call is a no-op.
 """
@@ -38,9 +43,10 @@ from typing import Iterator
 SENTINEL_FD_ENV = "ELASTIC_SENTINEL_FD"
 SENTINEL_PID_ENV = "ELASTIC_SENTINEL_PID"
 BEAT_SECONDS = 0.5
+STOPPED_SENTINEL_SECONDS = 10.0  # how long a sentinel may stay stopped when the heartbeat bound is off
 PAGE = 4096
 # Slots of the shared page, one signed 64-bit integer each.
-SLOTS = ("beat", "progress", "step", "waiting", "armed", "deadline", "exit")
+SLOTS = ("beat", "progress", "step", "waiting", "armed", "deadline", "exit", "bound_ms")
 _UNSET = -(1 << 62)  # "no step", "no deadline", "no exit" (every slot starts at 0: written at start)
 
 
@@ -158,11 +164,28 @@ class Watchdog:
             self._page["exit"] = code
 
     def _beat(self) -> None:
-        assert self._page is not None
+        assert self._page is not None and self._sentinel is not None
+        stopped_since: float | None = None
         while True:
             if os.getppid() != self._sentinel:
                 # The sentinel is gone: the runtime already counts this rank as dead, so it must
                 # not go on as a process nobody waits for.
                 os.kill(os.getpid(), signal.SIGKILL)
             self._page["beat"] += 1
+            now = time.monotonic()
+            if not _stopped(self._sentinel):
+                stopped_since = None
+            elif stopped_since is None:
+                stopped_since = now
+            elif now - stopped_since > self._page["bound_ms"] / 1000:
+                os.kill(self._sentinel, signal.SIGKILL)  # this process follows: its parent-death signal
             time.sleep(BEAT_SECONDS)
+
+
+def _stopped(pid: int) -> bool:
+    """True when process ``pid`` is stopped (SIGSTOP, SIGTSTP) or traced (local, one /proc read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False

@@ -26,6 +26,7 @@ surviving nodes' memory and resume.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,11 +47,13 @@ from elastic.comm import Config, ConfigError, Injection, parse_schedule, read_ev
 from elastic.comm._config import Relaunch
 from elastic.comm._events import describe_end
 from elastic.comm._lazy import keep_mpi_uninitialized
+from elastic.comm._watchdog import STOPPED_SENTINEL_SECONDS
 
 from . import _nodes
 
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
+SWEEP_SECONDS = 1.0     # how often this launcher looks for stopped sentinels
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
 # Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
 _NOISE = b"NBC_Progress: an error"
@@ -125,13 +128,16 @@ def _job_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- the outcome
-def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None) -> dict[str, Any]:
+def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None,
+              stopped: str | None = None) -> dict[str, Any]:
     """What became of the job and of each process, from the files they wrote (local).
 
     ``finished``: the training finished (some process finished, none stopped the
     job with an error, none failed after finishing). ``deaths``: every process
     that did not leave together with the others, with how it ended. ``never_fired``: schedule
     entries that no process announced. ``only``: these processes (one launch of several).
+    ``stopped``: why this launcher stopped the job (a signal's name, a timeout): a process
+    that said nothing of its own end, or ended by a termination signal, ended by that request.
     """
     outcomes = {o["pid"]: o for o in read_outcomes(run_dir) if only is None or o["pid"] in only}
     fates = {f["pid"]: f for f in read_fates(run_dir) if only is None or f["pid"] in only}
@@ -149,8 +155,10 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
             (fate is None or fate["end"] == "exited")
         if left_together:  # finished, released, or stopped with the job's agreed error (told once, below)
             continue
+        how = f"stopped on request ({stopped})" if stopped and _ended_by_a_stop(outcome, fate) else \
+            _how(outcome, fate)
         deaths.append({"pid": pid, "logical": info.get("logical"), "gen": info.get("gen"),
-                       "role": info.get("role"), "status": status, "how": _how(outcome, fate),
+                       "role": info.get("role"), "status": status, "how": how,
                        "injected": bool(status and status.startswith("injected-"))})
     statuses = [o["status"] for o in outcomes.values()]
     stop = next((o for o in outcomes.values() if o["status"] == "error"), None)
@@ -160,13 +168,25 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
     never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen) not in fired]
     counts: dict[str, int] = {}
     for pid in pids:  # by what the process said, else by what its sentinel saw
-        key = outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
+        key = "stopped on request" if stopped and _ended_by_a_stop(outcomes.get(pid), fates.get(pid)) else \
+            outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
             "died without a word"
         counts[key] = counts.get(key, 0) + 1
     return {"finished": finished, "processes": len(pids), "counts": counts, "deaths": deaths,
             "stopped_by": {"kind": stop["kind"], "message": stop["message"]} if stop else None,
             "never_fired": [i.to_dict() for i in never], "outcomes": list(outcomes.values()),
             "fates": list(fates.values())}
+
+
+def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
+    """A process that left no word of its own end, or was ended by a termination signal: what a
+    stop of the whole job (the launcher's SIGTERM, passed on to everyone) leaves behind."""
+    if outcome is not None and outcome["status"] not in ("failed",):
+        return False
+    if outcome is not None:
+        return outcome.get("kind") == "KeyboardInterrupt"
+    return fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP",
+                                                                                   "SIGKILL")
 
 
 def _how(outcome: dict | None, fate: dict | None) -> str:
@@ -185,7 +205,11 @@ def _how(outcome: dict | None, fate: dict | None) -> str:
 
 def _report(summary: dict[str, Any], run_dir: Path, notes: list[str]) -> None:
     told = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
-    print(f"[launch] {summary['processes']} processes: {told}; events in {run_dir}", flush=True)
+    if summary["processes"]:
+        print(f"[launch] {summary['processes']} processes: {told}; events in {run_dir}", flush=True)
+    else:
+        print(f"[launch] no process of the job left a word (events, outcome, sentinel record) in {run_dir}: "
+              "none started, or mpiexec failed before them (see its output above)", flush=True)
     for d in summary["deaths"]:
         who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
         print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
@@ -256,6 +280,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("give the program after --, e.g. -- python examples/jacobi.py")
+    if not shutil.which(args.command[0]):
+        parser.error(f"the program {args.command[0]!r} is not an executable file here or on PATH: no process "
+                     "could start it")
     if sum(map(bool, (args.slurm, args.host, args.hostfile, args.simulate_nodes))) > 1:
         parser.error("give one of --slurm (the allocation's hosts), --host, --hostfile and --simulate-nodes")
     args.hosts = slurm_allocation() if args.slurm else _hosts(args.host, parser) if args.host else \
@@ -397,8 +424,9 @@ class _Output(threading.Thread):
             self.sink.flush()
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Pids of the live processes still in session ``sid`` (this host only; zombies are already dead)."""
+def _session_processes(sid: int, states: str = "") -> list[int]:
+    """Pids of the live processes still in session ``sid`` (this host only; zombies are already dead);
+    ``states``: only those in one of these states (``"Tt"``: stopped)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != sid:
@@ -406,9 +434,16 @@ def _session_processes(sid: int) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == sid and fields[0] != "Z":  # state, then (after ppid, pgrp) the session
-                pids.append(int(entry.name))
+            if int(fields[3]) == sid and fields[0] != "Z" and (not states or fields[0] in states):
+                pids.append(int(entry.name))  # state, then (after ppid, pgrp) the session
     return pids
+
+
+def _is_sentinel(pid: int) -> bool:
+    try:
+        return b"elastic.comm._sentinel" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 class _Attempt:
@@ -418,6 +453,9 @@ class _Attempt:
         self.args = args
         self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
         self.leftovers: list[int] = []
+        self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
+        self.killed_stopped: list[int] = []
+        self.swept = 0.0
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.outputs = [_Output(self.proc.stdout, sys.stdout), _Output(self.proc.stderr, sys.stderr)]  # type: ignore
@@ -439,6 +477,9 @@ class _Attempt:
                 self.stop(f"TIMED OUT after {self.args.timeout:g} s")
             if self.stopping and now - self.stopping[0] > self.args.grace:
                 break
+            if now - self.swept > SWEEP_SECONDS:
+                self.swept = now
+                self._sweep_stopped_sentinels(now)
             time.sleep(0.1)
         # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
         # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
@@ -454,6 +495,21 @@ class _Attempt:
         proc.wait()
         for output in self.outputs:
             output.join(timeout=5)
+
+    def _sweep_stopped_sentinels(self, now: float) -> None:
+        """Kill a sentinel stopped for twice the hang bound (this host). Its rank kills it after the
+        bound while the rank lives; a sentinel stopped after its rank ended has nobody else to free
+        mpiexec from it, and a job that finished would otherwise never end."""
+        bound = 2 * (self.args.config.hang_timeout or STOPPED_SENTINEL_SECONDS)
+        stopped = {pid for pid in _session_processes(self.proc.pid, "Tt") if _is_sentinel(pid)}
+        self.stopped_since = {pid: self.stopped_since.get(pid, now) for pid in stopped}
+        for pid, since in self.stopped_since.items():
+            if now - since > bound:
+                print(f"[launch] the sentinel pid {pid} has been stopped for {now - since:.0f} s: killed",
+                      file=sys.stderr, flush=True)
+                self.killed_stopped.append(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     @property
     def lost_nodes(self) -> set[str]:
@@ -575,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(Path("/dev/shm") / args.job, ignore_errors=True)
     assert attempt is not None
     timed_out = bool(attempt.stopping) and not got
-    summary = summarize(args.run_dir, config.inject)  # what the last launch still owed: fired, or never
+    stopped = signal.Signals(got[0]).name if got else "timeout" if timed_out else None
+    summary = summarize(args.run_dir, config.inject, stopped=stopped)  # what the last launch still owed
     if timed_out:
         rc = 124
         notes.append(f"TIMED OUT after {args.timeout:g} s")
