@@ -107,13 +107,21 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+# Errors a signal raises in a Python program: not the program's own, so never "the same error again".
+SIGNAL_ERRORS = ("KeyboardInterrupt",)
+# Errors that say the program itself is wrong (a setting, a value the library refuses): one rank
+# raising it stops the job with it (rc 1) instead of being recovered from as a crash.
+PROGRAMMING_ERRORS = ("ConfigError",)
+
+
 def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) -> dict[str, Any] | None:
     """How a process ended, from what it wrote (its outcome) and what its sentinel saw (its fate).
 
-    Returns ``{"what", "step", "injected", "software"}`` or None when neither
-    says anything. ``software``: an error of the program (an exception, a
-    non-zero exit), which a recovery replays at the same step, as opposed to a
-    signal or a hang, which come from outside.
+    Returns ``{"what", "step", "injected", "software"}`` (and ``programming``
+    for an exception) or None when neither says anything. ``software``: an
+    error of the program (an exception, a non-zero exit), which a recovery
+    replays at the same step, as opposed to a signal or a hang, which come from
+    outside. ``programming``: the library refused what the program did.
     """
     if outcome is not None and outcome["status"].startswith("injected-"):
         injection = outcome.get("injection", {})
@@ -127,8 +135,10 @@ def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) ->
         return {"what": "a spawned replacement given up by its parents (a failure during the spawn)",
                 "step": None, "injected": False, "software": False}
     if outcome is not None and outcome["status"] in ("failed", "error"):
+        # A signal that Python turns into an exception (SIGINT) came from outside, like a kill.
         return {"what": f"{outcome['kind']}: {outcome['message']}", "step": outcome.get("step"),
-                "injected": False, "software": True}
+                "injected": False, "software": outcome["kind"] not in SIGNAL_ERRORS,
+                "programming": outcome["kind"] in PROGRAMMING_ERRORS}
     if fate is None:
         return None
     end = fate["end"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, cast
 from mpi4py import MPI
 
 from ._collectives import allgather, bcast
-from ._errors import ProcessFailure, Unrecoverable, agreed, translate
+from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
 from ._events import read_cause
 from ._membership import SPARE, Members, Proc
 from ._policy import Decision, Outlook, RebuildContext
@@ -140,6 +140,7 @@ class Rebuilder:
                           streak=result.streak, local=None if mine == SPARE else [world.local_rank, world.local_size])
         if mine != SPARE:
             world.progress()
+        self._stop_a_programming_error(result)
         self._stop_a_repeated_error(result)
         return result
 
@@ -161,7 +162,7 @@ class Rebuilder:
         self._timed("agree", t)
         world.events.emit("agreed", failed=[members.table[u] for u in dead if members.table[u] != SPARE],
                           failed_universe=dead, attempt=done.attempts)
-        _fence(world, dead, members.procs)
+        _fence(world, dead, members)
         done.causes.extend(self._causes(dead, members))
         world.fire(members, "rebuild")
         # A death since the shrink is found here, before any communicator is built on the shrunk one:
@@ -317,6 +318,17 @@ class Rebuilder:
                 causes.append({"logical": None if members.table[u] == SPARE else members.table[u], **cause})
         return causes
 
+    @staticmethod
+    def _stop_a_programming_error(rebuild: Rebuild) -> None:
+        """A rank that died of an error saying the program is wrong (``ConfigError``: a value the
+        library refuses, a bad setting) stops the job with that error: a replacement or the
+        survivors would run the same program. Every process decides alike (the agreed causes)."""
+        for cause in rebuild.causes:
+            if cause.get("programming"):
+                raise agreed(ConfigError(
+                    f"logical rank {cause.get('logical')} raised {cause['what']} (at step {cause.get('step')}): a "
+                    "programming error, not a failure to recover from; fix it and start the job again"))
+
     def _stop_a_repeated_error(self, rebuild: Rebuild) -> None:
         """The same software error at the same step twice: recovering again would only repeat it.
 
@@ -346,19 +358,21 @@ def split_actives(members: Members) -> MPI.Intracomm:
     return comm
 
 
-def _fence(world: "World", dead: Iterable[int], procs: list[Proc | None]) -> None:
+def _fence(world: "World", dead: Iterable[int], members: Members) -> None:
     """Kill dead-declared processes on this host: a hung rank would keep mpiexec alive (local).
 
-    ``procs`` belongs to the communicator the agreement ran on, so only a
-    process every survivor agreed is dead can be hit.
+    ``members`` is the communicator the agreement ran on, so only a process
+    every survivor agreed is dead can be hit. The event names the victim in
+    fields of its own: the event's ``pid`` and ``logical`` are the fencer's.
     """
     host = socket.gethostname()
     for u in dead:
-        proc = procs[u] if u < len(procs) else None
+        proc: Proc | None = members.procs[u] if u < len(members.procs) else None
         if proc is not None and proc[0] == host and proc[1] != os.getpid():
             try:
                 os.kill(proc[1], signal.SIGKILL)
-                world.events.emit("fenced", pid=proc[1])
+                world.events.emit("fenced", victim_pid=proc[1], victim_host=proc[0],
+                                  victim_logical=None if members.table[u] == SPARE else members.table[u])
             except (ProcessLookupError, PermissionError):
                 pass
 

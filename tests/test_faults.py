@@ -103,7 +103,7 @@ def test_hung_rank_is_detected_and_fenced(tmp_path, reference_hash):
     assert job.rc == 0, job.output
     assert survivors_agree(job, 1)["failed"] == [2]
     hung_pid = job.of("inject")[0]["pid"]
-    assert hung_pid in {e["pid"] for e in job.of("fenced")}
+    assert {(e["victim_pid"], e["victim_logical"]) for e in job.of("fenced")} == {(hung_pid, 2)}
     assert job.result["x_sha256"] == reference_hash
 
 
