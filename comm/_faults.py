@@ -127,6 +127,10 @@ class FaultInjector:
         self.schedule = schedule
         self._announce = announce
 
+    def wants_steps(self) -> bool:
+        """Some entry fires at a step the program's loop must tell (``step``, ``collective``)."""
+        return any(entry.point in ("step", "collective") for entry in self.schedule)
+
     def fire(self, point: str, logical_rank: int, generation: int, step: int | None = None) -> None:
         for entry in self.schedule:
             if (entry.point == point and entry.rank == logical_rank and entry.gen == generation

@@ -46,6 +46,7 @@ class World:
         self.generation, self.role = generation, role
         self.last_rebuild: Rebuild | None = None
         self.step: int | None = None          # the loop's last step, as told by fault_point / progress
+        self._own_step_points = False         # the program calls fault_point(step) itself
         self.failures_seen = False
         self.history: set[tuple[str, Any]] = set()  # software errors seen, to stop one that repeats
         self.streak = 0                       # rebuilds since the last successful commit
@@ -139,9 +140,24 @@ class World:
         self.watchdog.progress(step)
 
     def fault_point(self, step: int | None, point: str = "step") -> None:
-        """Fire the fault schedule's entries for this rank at ``point`` (local); a step is progress."""
+        """Fire the fault schedule's entries for this rank at ``point`` (local); a step is progress.
+
+        A program needs no call of its own: the library's calls that know the step
+        (``State.record_step``, the data sampler) are the step's point until the program
+        calls this with ``point="step"`` itself; the collectives are ``collective`` points."""
         if point == "step":
+            self._own_step_points = True
             self.progress(step)
+        self._fire(point, step)
+
+    def step_point(self, step: int) -> None:
+        """The library's step point (local): the loop is at ``step``. Progress, and the step's
+        injections unless the program marks its steps itself (``fault_point``)."""
+        self.progress(step)
+        if not self._own_step_points:
+            self._fire("step", step)
+
+    def _fire(self, point: str, step: int | None) -> None:
         if self._faults.schedule:
             self._faults.fire(point, int(self.logical_rank), self.generation, step)
 
@@ -194,9 +210,10 @@ class World:
     # ---------------------------------------------------------- data plane
     def allreduce(self, arrays: list[np.ndarray], step: int | None = None) -> None:
         """Sum each array over the active ranks, in place, all in flight together (collective);
-        a ``collective`` fault fires in flight."""
+        a ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
+        at = self.step if step is None else step
         with self.guard():
-            _collectives.allreduce_sum(self.comm, arrays, lambda: self.fault_point(step, "collective"))
+            _collectives.allreduce_sum(self.comm, arrays, lambda: self.fault_point(at, "collective"))
 
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
                  point: str = "commit", step: int | None = None) -> int:
@@ -254,8 +271,14 @@ class World:
         Parked spares are released when the processes leave (``_lifecycle``).
         """
         self.fault_point(None, "finish")
+        # One Agree: every rank is here (bit 0), and whether no rank ever told a step (bit 1).
         with self.guard():
-            self.comm.Agree(1)
+            told = self.comm.Agree(1 | (int(self.step is None) << 1))
+        if told & 2 and self._faults.wants_steps():
+            raise agreed(ConfigError(
+                f"the fault schedule {[e.to_dict() for e in self._faults.schedule]} never fired: this program "
+                "reaches no injection point. Call world.fault_point(step) at the top of each step, or "
+                "state.record_step(step) after it, or reduce gradients with elastic.allreduce_gradients"))
         self.events.emit("finished")
         self.events.write_outcome("finished")
         self.lifecycle.finished = True

@@ -100,6 +100,10 @@ class Module(Handler):
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
         for key, tensor in self.value.state_dict().items():  # tensors that share the module's memory
             copy_into(tensor, arrays[f"{name}.{key}"])
+        # Gradients are not state: a step cut short by a failure leaves some behind, and a loop
+        # that zeroes them after optimizer.step() would add the next backward to them.
+        for parameter in self.value.parameters():
+            parameter.grad = None
 
 
 class Rng(Handler):

@@ -195,8 +195,10 @@ class State:
 
     def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
         """Note that a training step finished (local); see ``StepClock.step_done``. ``loss`` is
-        recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first)."""
-        self._world.progress(step)
+        recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first).
+        ``step``: the steps done, so the loop is now at step ``step``: the point where the fault
+        schedule's ``R@step`` entries fire, unless the program calls ``world.fault_point`` itself."""
+        self._world.step_point(step)
         self._clock.step_done(step, loss, total, **metrics)
 
     # ------------------------------------------------------------ internals

@@ -20,10 +20,12 @@ DataLoader anew starts a new pass of the sampler at the restored step, so what
 the old iterator's workers had prefetched (``num_workers > 0``) is dropped
 with it; with ``persistent_workers=True`` the workers survive but their queue
 is still refilled from the new pass. Each new iterator draws its workers' base
-seed from torch's default generator, which ``TorchState`` rolls back with the
-rest; random transforms in workers are reproducible across a failure only when
-they are seeded from the sample or the step (a worker's seed depends on when
-the iterator was made).
+seed from torch's default generator; the sampler puts the generator back as
+it was before that draw when the first batch is taken, so the extra iterator a
+recovery makes never shifts the program's random numbers (dropout stays
+bitwise with a failure-free run). Random transforms in workers are
+reproducible across a failure only when they are seeded from the sample or the
+step (a worker's seed depends on when the iterator was made).
 """
 from __future__ import annotations
 
@@ -72,9 +74,18 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         return np.array_split(self.batch(step), self.world.size)[self.world.rank].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
+        # A DataLoader makes its iterator by calling this, then draws its workers' base seed from
+        # torch's global generator (unless it was given a generator of its own). The loop makes one
+        # more iterator after each recovery than a run without failures, so that draw would shift
+        # every random number after it (dropout): the first batch puts the generator back.
+        return self._batches(torch.get_rng_state())
+
+    def _batches(self, rng: torch.Tensor) -> Iterator[list[int]]:
+        torch.set_rng_state(rng)
         start = self._step()
         end = (self.epoch_of(start)[0] + 1) * self.steps_per_epoch
         for step in range(start, end):
+            self.world.step_point(step)  # the fault schedule's R@step, for a loop that marks no steps itself
             yield self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
 
     def __len__(self) -> int:
