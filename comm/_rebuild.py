@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ._world import World
 
 JOIN_SECONDS = 30.0  # a spawned process that has not joined its parents by then is given up
+HOST_VERDICT_SECONDS = 5.0  # how long survivors wait for the runtime's end after a whole host's processes died
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,7 @@ class Rebuilder:
         world.events.emit("agreed", failed=[members.table[u] for u in dead if members.table[u] != SPARE],
                           failed_universe=dead, attempt=done.attempts)
         _fence(world, dead, members)
+        self._await_the_runtime(dead, members)
         done.causes.extend(self._causes(dead, members))
         world.fire(members, "rebuild")
         # A death since the shrink is found here, before any communicator is built on the shrunk one:
@@ -178,6 +180,26 @@ class Rebuilder:
         t = time.perf_counter()
         self._fill(members, done)
         self._timed("substitute", t)
+
+    def _await_the_runtime(self, dead: list[int], members: Members) -> None:
+        """When every process of a host died at once and the job keeps node memory for a relaunch,
+        wait up to ``HOST_VERDICT_SECONDS`` before rebuilding in process (collective in effect: every
+        survivor decides alike from the agreed dead set and the shared process table).
+
+        A node lost with its runtime daemon makes Open MPI 5.0 end the job ~0.1 s later, and the
+        launcher relaunches from the nodes' memory; a shrink done in that window (and, with short
+        steps, a whole run finished in it) would give a different result from the same loss. So
+        either the runtime ends this process while it waits, or the host's daemon is alive (only
+        its processes died) and the rebuild goes on in process.
+        """
+        world = self.world
+        lost = hosts_lost(members.procs, dead)
+        if not world.config.node_store or not lost:
+            return
+        t = time.perf_counter()
+        with world.watchdog.bounded(HOST_VERDICT_SECONDS + JOIN_SECONDS):
+            time.sleep(HOST_VERDICT_SECONDS)  # the runtime's end, if it comes, comes as a signal
+        world.events.emit("host_processes_lost", hosts=lost, waited=time.perf_counter() - t)
 
     def _fill(self, members: Members, done: Summary) -> None:
         """Give the lost logical ranks (``done.pending``) new processes, as the policy decides.
@@ -347,6 +369,15 @@ class Rebuilder:
                     f"before the last recovery ({cause['what']}); recovering again would repeat it: fix the "
                     "error and start the job again"))
             history.add(key)
+
+
+def hosts_lost(procs: list[Proc | None], dead: Iterable[int]) -> list[str]:
+    """The hosts every process of which is in ``dead`` (universe ranks), while some other host
+    still has a live one (local; O(processes))."""
+    dead = set(dead)
+    hosts = {p[0] for p in procs if p is not None}
+    alive = {p[0] for u, p in enumerate(procs) if u not in dead and p is not None}
+    return sorted(hosts - alive) if alive else []
 
 
 def split_actives(members: Members) -> MPI.Intracomm:

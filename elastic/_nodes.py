@@ -26,7 +26,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from elastic.comm import Config, ConfigError
 from elastic.comm._config import Relaunch
@@ -79,13 +79,14 @@ def write_agent(run_dir: Path, memory: Path) -> Path:
     return path
 
 
-def node_injections(text: str | None, ranks_on: Mapping[str, list[int]]) -> str | None:
+def node_injections(text: str | None, ranks_on: Mapping[str, list[int]], later: Collection[str] = ()) -> str | None:
     """``nodeK@WHERE[/gG]`` entries of a compact schedule as ``R@WHERE:node[/gG]``, R the first
     active logical rank on node K (``ranks_on``: each host's active logical ranks); other entries
-    unchanged.
+    unchanged. Entries on a node of ``later`` (a spare node: it holds ranks only after a
+    relaunch) are left out of this launch; a relaunch that puts ranks there fires them.
 
     Raises:
-        ConfigError: node K does not run in this launch, or holds no active rank.
+        ConfigError: node K does not run in this launch (and is no spare node), or holds no active rank.
     """
     if not text or text.strip().startswith("[") or "node" not in text:
         return text
@@ -96,6 +97,8 @@ def node_injections(text: str | None, ranks_on: Mapping[str, list[int]]) -> str 
             out.append(item)
             continue
         node, where, gen = node_name(int(match.group(1))), match.group(2), match.group(3) or ""
+        if node in later and not ranks_on.get(node):
+            continue
         if not ranks_on.get(node):
             raise ConfigError(f"injection {item.strip()!r}: {node} holds no active rank (nodes with active ranks: "
                               f"{', '.join(h for h, r in ranks_on.items() if r) or 'none'})")

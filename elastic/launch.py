@@ -181,10 +181,8 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
 def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
     """A process that left no word of its own end, or was ended by a termination signal: what a
     stop of the whole job (the launcher's SIGTERM, passed on to everyone) leaves behind."""
-    if outcome is not None and outcome["status"] not in ("failed",):
-        return False
     if outcome is not None:
-        return outcome.get("kind") == "KeyboardInterrupt"
+        return outcome["status"] == "failed" and outcome.get("kind") == "KeyboardInterrupt"
     return fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP",
                                                                                    "SIGKILL")
 
@@ -316,8 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             args.nprocs, args.spares)
     args.inject_text = args.inject
     try:
-        args.inject = _nodes.node_injections(args.inject, args.placement.ranks_on()) if args.simulate_nodes \
-            else args.inject
+        args.inject = _nodes.node_injections(args.inject, args.placement.ranks_on(), args.spare_hosts) \
+            if args.simulate_nodes else args.inject
     except ConfigError as exc:
         parser.error(str(exc))
     if args.grace < 0:
@@ -609,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                 inject = _nodes.pending_injections(args.inject_text, [e for e in events if e["event"] == "inject"],
                                                    lost_all, host_of)
                 if args.simulate_nodes:
-                    inject = _nodes.node_injections(inject, placement.ranks_on())
+                    inject = _nodes.node_injections(inject, placement.ranks_on(), spare_hosts)
                 # What did not fire yet fires in the relaunch, its generations counted from the relaunch's start.
                 pending = tuple(dataclasses.replace(e, gen=e.gen + relaunch.generation)
                                 for e in (parse_schedule(inject) if inject else ()))

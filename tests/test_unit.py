@@ -11,6 +11,7 @@ from elastic import launch
 from elastic.comm import (
     Config, ConfigError, CurrentRank, Injection, LogicalRank, ProcessFailure, Unrecoverable, parse_schedule,
 )
+from elastic.comm import _rebuild
 from elastic.comm._errors import translate
 
 
@@ -97,6 +98,24 @@ def test_launcher_counts_a_failure_after_finishing(tmp_path):
     summary = launch.summarize(tmp_path)
     assert summary["finished"] is False
     assert summary["deaths"][0]["how"] == "failed after finishing: OSError: disk full"
+
+
+def test_a_stopped_job_lists_its_processes_as_stopped_on_request(tmp_path):
+    _write(tmp_path, 1, None)  # killed with the rest: no word of its own
+    _write(tmp_path, 2, "failed", kind="KeyboardInterrupt", message="", step=4)  # Ctrl-C reached it
+    _write(tmp_path, 3, "failed", kind="ValueError", message="a bug", step=4)  # its own failure, said as such
+    summary = launch.summarize(tmp_path, stopped="SIGINT")
+    assert {d["pid"]: d["how"] for d in summary["deaths"]} == {
+        1: "stopped on request (SIGINT)", 2: "stopped on request (SIGINT)",
+        3: "failed at step 4: ValueError: a bug"}
+    assert summary["counts"] == {"stopped on request": 2, "failed": 1}
+
+
+def test_a_host_is_lost_when_every_process_on_it_died_and_another_host_lives():
+    procs = [("a", 1), ("a", 2), ("b", 3), ("b", 4), None]
+    assert _rebuild.hosts_lost(procs, [2, 3]) == ["b"]
+    assert _rebuild.hosts_lost(procs, [1, 2]) == []  # one process of each: no host gone
+    assert _rebuild.hosts_lost(procs, [0, 1, 2, 3]) == []  # nobody left to wait for anything
 
 
 def test_launcher_rejects_missing_program():
