@@ -215,6 +215,21 @@ class World:
         with self.guard():
             _collectives.allreduce_sum(self.comm, arrays, lambda: self.fault_point(at, "collective"))
 
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = None) -> None:
+        """Point-to-point exchange with some peers, e.g. a stencil's halos (collective among the
+        ranks named, blocking). ``sends``: (current rank, tag, array); ``receives``: (current
+        rank, tag, writable array). Every transfer is posted non-blocking, then one ``Waitall``:
+        a dead peer, or a peer's revoke of ``comm`` (it began a recovery), is ``ProcessFailure``
+        here. (``Sendrecv`` with a dead peer has crashed survivors inside Open MPI.) A
+        ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
+        at = self.step if step is None else step
+        with self.guard():
+            requests = [self.comm.Irecv(array, source, tag) for source, tag, array in receives]
+            requests += [self.comm.Isend(array, dest, tag) for dest, tag, array in sends]
+            self.fault_point(at, "collective")
+            MPI.Request.Waitall(requests)
+
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
                  point: str = "commit", step: int | None = None) -> int:
         """Byte arrays to peers, and into given arrays from them, by logical rank (collective; see

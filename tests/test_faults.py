@@ -98,6 +98,18 @@ def test_kill_in_the_middle_of_a_collective(tmp_path, reference_hash):
     assert job.result["x_sha256"] == reference_hash
 
 
+def test_a_stencil_shrinks_and_its_halos_follow_the_slabs_bitwise(tmp_path, reference):
+    """Killed inside the halo exchange: its neighbours, waiting in Waitall, get ProcessFailure (no
+    crash inside MPI), a survivor adopts slab 1 and computes it, and the rod is the failure-free one."""
+    stencil = ("examples/stencil.py",)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "1@c12", program=stencil)
+    assert job.rc == 0, job.output
+    assert job.result["rod_sha256"] == reference(stencil)["result"]["rod_sha256"]
+    assert job.result["size"] == 3 and job.result["logical_ranks"] == [0, 2, 3]
+    assert survivors_agree(job, 1)["removed"] == [1]
+    assert [e["point"] for e in job.of("inject")] == ["collective"]
+
+
 def test_hung_rank_is_detected_and_fenced(tmp_path, reference_hash):
     job = launch(tmp_path, 4, "--detector", "--rebuild", "shrink", "--inject", "2@6:hang")
     assert job.rc == 0, job.output
