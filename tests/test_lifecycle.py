@@ -97,6 +97,90 @@ def test_an_external_sigkill_is_recovered_and_listed(tmp_path, reference):
     assert "training finished" in out
 
 
+LONG = TRAIN + ("--steps", "1500")  # long enough for four signals sent one after the other's recovery
+
+
+def test_any_signal_to_a_sentinel_is_that_ranks_failure_and_no_other(tmp_path, reference):
+    """The process mpiexec started is the sentinel, so ULFM sees a rank's death only through it.
+    TERM is passed on and the sentinel then dies by it (a plain exit 143 was never reported: the
+    survivors waited for ever); SEGV kills the sentinel and its program with it (the parent-death
+    signal: an orphan still in MPI made rank 0 abort); a stopped sentinel is killed by its own
+    program after the hang bound; INT as TERM. Each is one rebuild with exactly one rank lost."""
+    job_dir = tmp_path / "run"
+    proc = _start(job_dir, "--spares", "4", "--hang-timeout", "3", steps=1500)
+    signals = ((1, signal.SIGTERM), (2, signal.SIGSEGV), (3, signal.SIGSTOP), (0, signal.SIGINT))
+    for generation, (logical, sig) in enumerate(signals):
+        program = _wait_for_step(job_dir, logical=logical, step=10 + 40 * generation, gen=generation)
+        os.kill(_parent(program), sig)
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 30)
+    job = Job(proc.returncode, out, job_dir)
+    assert_bitwise(job, reference(LONG), "optimizer_sha256")
+    rebuilds = {e["gen"]: e for e in job.of("rebuilt")}
+    assert [(rebuilds[g]["mode"], rebuilds[g]["failed"]) for g in sorted(rebuilds)] == \
+        [("spare", [logical]) for logical, _ in signals], job.output
+    ends = {f["sentinel_pid"]: (f["end"], f.get("signal")) for f in job.fates}
+    assert sorted(e for e in ends.values() if e[0] == "terminated") == [("terminated", "SIGINT"),
+                                                                      ("terminated", "SIGTERM")]
+    assert job.statuses().count("finished") == 4 and "error" not in job.statuses()
+
+
+def test_a_config_error_on_one_rank_stops_the_job_with_it(tmp_path):
+    """The library refused what the program did on logical rank 1 only: a bug, not a crash. Every
+    process stops with that ConfigError (exit 1); no spare is spent replaying it, nothing shrinks."""
+    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("config"))
+    assert job.rc == 1, job.output
+    (failed,) = [o for o in job.outcomes if o["status"] == "failed"]
+    assert (failed["logical"], failed["kind"]) == (1, "ConfigError")
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 4 and {o["kind"] for o in errors} == {"ConfigError"}
+    assert len({o["message"] for o in errors}) == 1 and "logical rank 1 raised ConfigError" in errors[0]["message"]
+    assert "programming error" in errors[0]["message"] and not job.has_result
+    assert "training did not finish: ConfigError" in job.output
+
+
+def test_sigint_to_two_ranks_is_two_failures_not_a_repeated_error(tmp_path, reference):
+    job_dir = tmp_path / "run"
+    # Three copies: ranks 1 and 2 may hold each other's only copies (two at once with two is DataLost).
+    proc = _start(job_dir, "--spares", "2", steps=1500, program_args=("--replication", "3"))
+    first = _wait_for_step(job_dir, logical=1, step=10)
+    second = _wait_for_step(job_dir, logical=2, step=10)
+    os.kill(first, signal.SIGINT)
+    os.kill(second, signal.SIGINT)
+    out, _ = proc.communicate(timeout=JOB_TIMEOUT + 30)
+    job = Job(proc.returncode, out, job_dir)
+    assert_bitwise(job, reference(LONG), "optimizer_sha256")
+    failed = [o for o in job.outcomes if o["status"] == "failed"]
+    assert sorted((o["logical"], o["kind"]) for o in failed) == [(1, "KeyboardInterrupt"), (2, "KeyboardInterrupt")]
+
+
+# ------------------------------------------------------------------ standard loops stay bitwise
+STANDARD = ("tests/programs/standard_loop.py",)
+
+
+def test_a_standard_torch_loop_is_bitwise_after_a_kill_in_its_all_reduce(tmp_path, reference):
+    """No fault_point (the injection fires in allreduce_gradients), a DataLoader without a generator
+    of its own (a recovery makes one more iterator), dropout, and gradients zeroed after the step
+    (the cut step's gradients must not survive the roll-back)."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c12", program=STANDARD)
+    assert_bitwise(job, reference(STANDARD), "optimizer_sha256")
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 12)]
+
+
+def test_a_schedule_that_no_point_of_the_program_can_fire_stops_the_job(tmp_path):
+    job = launch(tmp_path, 4, "--inject", "1@3", program=("tests/programs/no_points.py",))
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 4 and {o["kind"] for o in errors} == {"ConfigError"}
+    assert "reaches no injection point" in errors[0]["message"]
+
+
+def test_a_program_that_cannot_start_is_refused_before_mpiexec(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "elastic.launch", "-n", "4", "--run-dir", str(tmp_path / "run"),
+                           "--", "/no/such/binary"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "'/no/such/binary' is not an executable file" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------ failures inside the machinery
 def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
     job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@12,3@spawn", program=TRAIN)
@@ -196,6 +280,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out
+    assert "died without a word" not in out and "stopped on request (SIGTERM)" in out
     alive = [pid for pid in pids if _alive(pid)]
     assert len(pids) == 5 and not alive, (pids, alive)
 
@@ -234,27 +319,33 @@ def test_an_injection_that_never_fires_is_named(tmp_path, reference):
 
 
 # ------------------------------------------------------------------ helpers
-def _start(run_dir, *launcher_args: str, steps: int = 60) -> subprocess.Popen:
+def _start(run_dir, *launcher_args: str, steps: int = 60, program_args: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "elastic.launch", "-n", "4", "--timeout", str(JOB_TIMEOUT),
                              "--run-dir", str(run_dir), *launcher_args, "--", sys.executable, *TRAIN,
-                             "--steps", str(steps)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--steps", str(steps), *program_args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
 
 
-def _wait_for_step(run_dir, logical: int, step: int) -> int:
-    """Poll the events (a condition, not a sleep) until the job reached ``step``; returns the pid of
-    logical rank ``logical``."""
+def _wait_for_step(run_dir, logical: int, step: int, gen: int = 0) -> int:
+    """Poll the events (a condition, not a sleep) until the job reached ``step`` in generation
+    ``gen`` or later; returns the pid of logical rank ``logical`` there (a promoted spare's too)."""
     deadline = time.monotonic() + JOB_TIMEOUT
     while time.monotonic() < deadline:
         try:
             events = read_events(run_dir) if run_dir.exists() else []
         except ValueError:  # a line being written right now
             events = []
-        pid = next((e["pid"] for e in events if e["event"] == "started" and e["logical"] == logical), None)
-        if pid is not None and any(e["event"] == "step" and e["step"] >= step for e in events):
-            return pid
+        pids = [e["pid"] for e in events if e["logical"] == logical and e["gen"] >= gen]
+        if pids and any(e["event"] == "step" and e["step"] >= step and e["gen"] >= gen for e in events):
+            return pids[-1]
         time.sleep(0.1)
-    raise AssertionError(f"the job never reached step {step}")
+    raise AssertionError(f"the job never reached step {step} in generation {gen}")
+
+
+def _parent(pid: int) -> int:
+    """The parent of ``pid``: a rank's sentinel."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _alive(pid: int) -> bool:

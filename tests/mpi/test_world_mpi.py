@@ -70,3 +70,12 @@ def test_revocation_reaches_every_rank_as_process_failure(world):
             comm.Barrier()
     assert comm.Is_revoked()
     assert agree_on_failed(comm) == frozenset()  # agreement still works on a revoked communicator
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_communicator_of_the_library_aborts_on_an_error(world):
+    """MPI_ERRORS_ARE_FATAL anywhere would turn a peer's death into this rank's abort: every
+    communicator the library uses, and COMM_SELF (what an MPI call with no communicator, such as
+    a request's completion, reports to), return errors instead."""
+    for comm in (MPI.COMM_SELF, MPI.COMM_WORLD, world.comm, world.universe):
+        assert comm.Get_errhandler() == MPI.ERRORS_RETURN, comm
