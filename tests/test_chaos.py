@@ -1,4 +1,5 @@
-"""A short seeded chaos campaign (scripts/chaos.py): randomized real failures, no hang, no mismatch."""
+"""Short seeded campaigns: randomized real failures from inside (scripts/chaos.py) and real signals from
+outside (scripts/punish.py); no hang, no mismatch, no wrong result, nothing left behind."""
 from __future__ import annotations
 
 import subprocess
@@ -21,3 +22,17 @@ def test_a_short_seeded_campaign_has_no_hang_and_no_mismatch():
     totals = dict(zip(header.split(" | "), values.split(" | ")))
     assert totals["runs"] == str(RUNS) and totals["hang"] == "0" and totals["mismatch"] == "0", proc.stdout
     assert int(totals["finished correct"]) + int(totals["clear error"]) == RUNS
+
+
+PUNISH_RUNS, PUNISH_SEED = 8, 21
+
+
+@pytest.mark.timeout(PUNISH_RUNS * 200)
+def test_a_short_seeded_external_campaign_has_no_hang_no_wrong_result_and_no_leftover():
+    proc = subprocess.run([sys.executable, "scripts/punish.py", "--runs", str(PUNISH_RUNS), "--seed",
+                           str(PUNISH_SEED)], cwd=ROOT, capture_output=True, text=True, timeout=PUNISH_RUNS * 200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    header, values = proc.stdout.strip().splitlines()[-2:]
+    totals = dict(zip(header.split(" | "), values.split(" | ")))
+    assert totals["runs"] == str(PUNISH_RUNS) and totals["hang"] == "0" and totals["wrong"] == "0", proc.stdout
+    assert int(totals["correct"]) + int(totals["clean stop"]) >= PUNISH_RUNS // 2, proc.stdout  # most signals hit
