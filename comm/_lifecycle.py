@@ -23,6 +23,7 @@ Every end falls in one of two cases (see ``_errors``):
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -92,8 +93,8 @@ class Lifecycle:
     def leave_together(self, code: int) -> None:
         """Meet every live process of the job in a last agreement, then go (collective over the universe).
 
-        Returns (after ``MPI_Finalize``) only when the job never saw a failure;
-        otherwise ends the process with ``code``.
+        Returns (after ``MPI_Finalize``) only when the job never saw a failure and no sentinel
+        watches this process; otherwise ends the process with ``code``.
         """
         from mpi4py import MPI
 
@@ -112,13 +113,19 @@ class Lifecycle:
                     break  # nothing more can be agreed with a broken MPI; leave anyway
                 failures = True
                 universe.Ack_failed()
-        sys.stdout.flush()
-        sys.stderr.flush()
         world.watchdog.announce_exit(code)
-        if failures:
-            os._exit(code)
-        if not MPI.Is_finalized():  # ourselves: whoever initialized MPI, this process leaves it cleanly
+        if not failures and not MPI.Is_finalized():  # ourselves: whoever initialized MPI, leave it cleanly
             MPI.Finalize()
+        if failures or world.watchdog.active:
+            # Under a sentinel, which passes the announced code on, go without the interpreter's
+            # teardown too: with torch loaded, freeing every module takes ~0.3 s of CPU per process
+            # (0.85 s of a 4-rank job's wall time here) and nothing in it concerns the job; what
+            # would matter, flushing, is done here. Without one the program's own exit status
+            # (a pytest-mpi suite's) must come through: return.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
     # ------------------------------------------------------------------ hooks
     def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:

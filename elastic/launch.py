@@ -114,6 +114,11 @@ def build_command(args: argparse.Namespace, nprocs: int, hosts: list[tuple[str, 
     if args.detector:
         for key, value in DETECTOR_MCA:
             cmd += ["--mca", key, value]
+    if (not args.hosts or args.simulate_nodes) and not any(k == "btl" for k, _ in args.mca) \
+            and "OMPI_MCA_btl" not in os.environ:
+        # One machine: shared memory and TCP carry everything. The libfabric BTL only probes its
+        # providers, 1 s of every process's MPI_Init here (a spawned replacement's too).
+        cmd += ["--mca", "btl", "^ofi"]
     for key, value in args.mca:
         cmd += ["--mca", key, value]
     for name in sorted(_job_env(args)):

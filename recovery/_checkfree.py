@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-import networkx as nx
 import numpy as np
 
 from elastic.comm import ConfigError, Unrecoverable
@@ -103,6 +102,8 @@ def replica_holders(stages: int) -> dict[int, set[int]]:
 
     A lost stage then keeps both ways back: its replica, and CheckFree from its neighbours.
     """
+    import networkx as nx  # here, not at import: every process of a job imports this package, few plan pipelines
+
     if stages < 2:
         raise ConfigError("a pipeline of one stage has nowhere to keep a replica")
     candidates = nx.Graph()

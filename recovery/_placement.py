@@ -31,7 +31,6 @@ import dataclasses
 import math
 from typing import AbstractSet as Set, Iterable, Mapping, Sequence
 
-import networkx as nx
 
 from elastic.comm import Unrecoverable
 from elastic.comm.wire import message
@@ -168,6 +167,8 @@ def _greedy(options: Mapping[tuple[int, int], list[Piece]]) -> dict[tuple[int, i
 
 def _balance(options: Mapping[tuple[int, int], list[Piece]]) -> dict[tuple[int, int], Piece]:
     """The senders that minimise the largest load (chunks), by max-flow and a binary search on the bound."""
+    import networkx as nx  # here, not at import: only a recovery with a skewed plan needs it
+
     senders = sorted({p.holder for o in options.values() for p in o})
     total = sum(o[0].count for o in options.values())
     low, high = max(1, math.ceil(total / len(senders))), total

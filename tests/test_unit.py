@@ -69,6 +69,9 @@ def test_launcher_command_for_this_machine(tmp_path):
     assert "--oversubscribe" in cmd  # 6 processes on this 2-core machine
     assert cmd[cmd.index("mpi_ft_detector") + 1] == "true"
     assert cmd[-2:] == ["python", "x.py"] and "ELASTIC_INJECT" in cmd
+    assert cmd[cmd.index("btl") + 1] == "^ofi"  # one machine: no fabric to probe at every MPI_Init
+    args = launch.parse_args(["-n", "4", "--mca", "btl", "self,tcp", "--", "python", "x.py"])
+    assert launch.build_command(args, 4).count("btl") == 1  # the user's choice stands alone
 
 
 def _write(run_dir: Path, pid: int, status: str | None, **fields) -> None:
