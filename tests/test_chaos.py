@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.fault
-RUNS, SEED = 10, 11
+RUNS, SEED = 5, 11
 
 
 @pytest.mark.timeout(RUNS * 200)
@@ -24,7 +24,7 @@ def test_a_short_seeded_campaign_has_no_hang_and_no_mismatch():
     assert int(totals["finished correct"]) + int(totals["clear error"]) == RUNS
 
 
-PUNISH_RUNS, PUNISH_SEED = 8, 21
+PUNISH_RUNS, PUNISH_SEED = 5, 6
 
 
 @pytest.mark.timeout(PUNISH_RUNS * 200)

@@ -7,9 +7,9 @@ import pytest
 from conftest import assert_bitwise, launch
 from elastic.report import final_steps
 
-# A group timeout of 10 s bounds how long a rank waits in DDP's all-reduce for a peer that left
-# it for the recovery (see elastic/distributed.py).
-DDP = ("examples/ddp.py", "--steps", "40", "--group-timeout", "10")
+# A group timeout of 5 s bounds how long a rank waits in DDP's all-reduce for a peer that left
+# it for the recovery (see elastic/distributed.py): each recovery here pays it once.
+DDP = ("examples/ddp.py", "--steps", "40", "--group-timeout", "5")
 
 
 def _groups(job) -> dict[int, list[int]]:
@@ -39,18 +39,12 @@ def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
-def test_ddp_survives_two_failures_in_sequence_bitwise(tmp_path, reference):
-    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@27/g1", program=DDP)
+def test_ddp_survives_two_failures_in_sequence_a_spare_then_a_spawned_process_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--rebuild", "spare,spawn", "--inject", "1@12,2@27/g1", program=DDP)
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
-    assert [e["logical"] for e in job.of("promoted")] == [1, 2]
+    assert [e["logical"] for e in job.of("promoted")] == [1] and len(job.of("spawned")) == 1
+    assert [e["mode"] for e in job.of("rebuilt") if e["logical"] == 0] == ["spare", "spawn"]
     assert sorted({e["generation"] for e in job.of("process_group")}) == [0, 1, 2]
-
-
-@pytest.mark.fault
-def test_ddp_with_a_spawned_replacement_is_bitwise(tmp_path, reference):
-    job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "2@20", program=DDP)
-    assert_bitwise(job, reference(DDP), "optimizer_sha256")
-    assert len(job.of("spawned")) == 1
 
 
 @pytest.mark.fault
