@@ -85,7 +85,9 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         start = self._step()
         end = (self.epoch_of(start)[0] + 1) * self.steps_per_epoch
         for step in range(start, end):
-            self.world.step_point(step)  # the fault schedule's R@step, for a loop that marks no steps itself
+            # The fault schedule's R@step, for a loop that marks no steps itself (with prefetching
+            # workers the sampler runs ahead of the loop, and so does this point).
+            self.world.step_point(step)
             yield self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
 
     def __len__(self) -> int:
