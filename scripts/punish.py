@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from elastic.comm import read_events, read_result  # noqa: E402
 
-RANKS, STEPS = 4, 150
+RANKS, STEPS = 4, 400
 PROGRAM = ("examples/train.py", "--steps", str(STEPS), "--dropout", "0", "--replication", "3")
 HANG_TIMEOUT = 3
 VICTIMS = ("rank", "rank", "sentinel", "sentinel", "spare", "pair", "launcher", "node")
