@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.comm import read_events, read_result  # noqa: E402
+from elastic.report import final_steps  # noqa: E402
 
 RANKS, STEPS = 4, 400
 PROGRAM = ("examples/train.py", "--steps", str(STEPS), "--dropout", "0", "--replication", "3")
@@ -51,6 +52,7 @@ VICTIMS = ("rank", "rank", "sentinel", "sentinel", "spare", "pair", "launcher", 
 SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGSEGV", "SIGINT", "SIGABRT", "SIGHUP")
 STOPS = ("SIGTERM", "SIGINT", "SIGHUP")
 WINDOW = 2.0  # seconds after the first step in which the signal is sent
+SHRINK_TOLERANCE = 0.05  # relative, on the final loss after a shrink (with the batches checked step by step)
 
 
 @dataclasses.dataclass
@@ -244,8 +246,14 @@ def check(scenario: Scenario, got: dict, run_dir: Path, ref: dict) -> tuple[str,
     if result.get("steps") != ref["steps"]:
         return "wrong", f"{result.get('steps')} steps, not {ref['steps']}"
     if any("shrink" in e["mode"] for e in read_events(run_dir) if e["event"] == "rebuilt"):
-        ok = abs(result["final_loss"] - ref["final_loss"]) <= 1e-5 * abs(ref["final_loss"])
-        return ("correct", "shrink: loss within 1e-5") if ok else \
+        # The same global batches at every step (their samples' fingerprint), and the loss close: the
+        # sums' new order changes the last bits, which hundreds of Adam steps after the shrink grow
+        # (a kill at step 43 of 400 ended 0.9% off; chaos.py's 30 steps stay within 1e-5).
+        steps = final_steps(read_events(run_dir))
+        if any(steps[s]["samples"] != ref["samples"][s] for s in ref["samples"]):
+            return "wrong", "shrink: a step took other samples than the failure-free run"
+        ok = abs(result["final_loss"] - ref["final_loss"]) <= SHRINK_TOLERANCE * abs(ref["final_loss"])
+        return ("correct", f"shrink: same batches, loss within {SHRINK_TOLERANCE:g}") if ok else \
             ("wrong", f"loss {result['final_loss']} vs {ref['final_loss']}")
     if any(result[k] != ref[k] for k in ("model_sha256", "optimizer_sha256")):
         return "wrong", "model or optimizer differs from the failure-free run"
@@ -259,7 +267,8 @@ def reference(work: Path) -> dict:
                           capture_output=True, text=True, timeout=360)
     if proc.returncode != 0:
         raise SystemExit(f"the failure-free run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
-    return read_result(run_dir) or {}
+    return {**(read_result(run_dir) or {}),
+            "samples": {s: e["samples"] for s, e in final_steps(read_events(run_dir)).items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
