@@ -45,7 +45,7 @@ from typing import IO, Any
 
 from elastic.comm import Config, ConfigError, Injection, parse_schedule, read_events, read_fates, read_outcomes
 from elastic.comm._config import Relaunch
-from elastic.comm._events import describe_end
+from elastic.comm._events import SIGNAL_ERRORS, describe_end
 from elastic.comm._lazy import keep_mpi_uninitialized
 from elastic.comm._watchdog import STOPPED_SENTINEL_SECONDS
 
@@ -187,7 +187,7 @@ def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
     """A process that left no word of its own end, or was ended by a termination signal: what a
     stop of the whole job (the launcher's SIGTERM, passed on to everyone) leaves behind."""
     if outcome is not None:
-        return outcome["status"] == "failed" and outcome.get("kind") == "KeyboardInterrupt"
+        return outcome["status"] == "failed" and outcome.get("kind") in SIGNAL_ERRORS
     return fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP",
                                                                                    "SIGKILL")
 
