@@ -113,6 +113,6 @@ def allreduce_sum(comm: MPI.Intracomm, arrays: Sequence[np.ndarray], in_flight: 
     MPI.Request.Waitall(requests)
 
 
-def by_rank(values: Mapping[int, list], order: Sequence[int]) -> list[list]:
+def by_rank(values: Mapping[int, list[np.ndarray]], order: Sequence[int]) -> list[list[np.ndarray]]:
     """``values`` keyed by logical rank, as a list in current-rank order (the order of ``order``)."""
     return [values.get(r, []) for r in order]

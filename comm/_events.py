@@ -102,7 +102,8 @@ def outcome_path(run_dir: str | os.PathLike[str], host: str, pid: int) -> Path:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        doc: dict[str, Any] = json.loads(path.read_text())
+        return doc
     except (OSError, ValueError):
         return None
 

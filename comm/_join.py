@@ -15,7 +15,8 @@ from ._collectives import allgather, bcast
 from ._config import Config
 from ._errors import ConfigError, mpi_errors
 from ._events import EventLog
-from ._membership import SPARE, Members
+from ._membership import Members
+from ._ranks import SPARE
 from ._policy import FixedOrder, RebuildPolicy
 from ._ranks import LogicalRank, Role
 from ._rebuild import JOIN_SECONDS, Rebuild, split_actives

@@ -23,7 +23,8 @@ from mpi4py import MPI
 from ._collectives import allgather, bcast
 from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
 from ._events import read_cause
-from ._membership import SPARE, Members, Proc
+from ._membership import Members, Proc
+from ._ranks import SPARE
 from ._policy import Decision, Outlook, RebuildContext
 from ._ranks import LogicalRank, Role
 from .wire import message
@@ -320,7 +321,8 @@ class Rebuilder:
                 return None
             world.comm = split_actives(members)
             members.procs = allgather(members.comm, (socket.gethostname(), os.getpid()))
-            return bcast(members.comm, done, 0)
+            shared: Summary = bcast(members.comm, done, 0)
+            return shared
         except MPI.Exception as exc:
             world.events.emit("install_failed", error=str(exc))
             return None

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._errors import Unrecoverable, agreed, translate
-from ._membership import SPARE
+from ._ranks import SPARE
 from ._ranks import Role
 
 if TYPE_CHECKING:

@@ -67,7 +67,8 @@ class Page:
         return page
 
     def __getitem__(self, name: str) -> int:
-        return struct.unpack_from("q", self._map, 8 * SLOTS.index(name))[0]
+        value: int = struct.unpack_from("q", self._map, 8 * SLOTS.index(name))[0]
+        return value
 
     def __setitem__(self, name: str, value: int) -> None:
         struct.pack_into("q", self._map, 8 * SLOTS.index(name), value)

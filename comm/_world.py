@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Mapping, cast
+from typing import Any, Callable, Iterator, Mapping, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -24,7 +24,8 @@ from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, mpi_err
 from ._events import EventLog
 from ._faults import FaultInjector, Injection
 from ._lifecycle import Lifecycle
-from ._membership import SPARE, Members
+from ._membership import Members
+from ._ranks import SPARE
 from ._policy import Outlook, RebuildPolicy
 from ._ranks import CurrentRank, LogicalRank, Role
 from ._rebuild import Rebuild, Rebuilder
@@ -32,6 +33,7 @@ from ._watchdog import Watchdog
 
 # The heartbeat starts with MPI: from here on a stopped or frozen process is found by its sentinel.
 WATCHDOG = Watchdog.from_env()
+_T = TypeVar("_T")
 WATCHDOG.start()
 
 
@@ -196,16 +198,17 @@ class World:
         by current rank, or ``ProcessFailure`` everywhere (collective, agreed)."""
         return self._agreed(lambda: _collectives.alltoall(self.comm, [objs.get(r) for r in range(self.size)]))
 
-    def _agreed(self, call: Callable[[], Any]) -> Any:
+    def _agreed(self, call: Callable[[], _T]) -> _T:
         # A collective can fail on some ranks and succeed on others; the vote makes the outcome the
         # same everywhere, so that no rank goes on to a later Agree that another never reaches.
+        result, ok = None, False
         try:
             with self.guard():
                 result, ok = call(), True
         except ProcessFailure:
-            result, ok = None, False
+            pass
         self.vote(ok, "a rank could not finish a collective")
-        return result
+        return cast(_T, result)  # the vote passed: every rank has its result
 
     # ---------------------------------------------------------- data plane
     def allreduce(self, arrays: list[np.ndarray], step: int | None = None) -> None:

@@ -16,7 +16,7 @@ shrink makes the same handlers for them. Structures travel as
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import numpy as np
 
@@ -115,7 +115,8 @@ class Rng(Handler):
     def capture(self, name: str) -> dict[str, np.ndarray]:
         import torch
         arrays = {f"{name}.torch": torch.get_rng_state().numpy()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from these
+        initialized = cast(Callable[[], bool], torch.cuda.is_initialized)  # untyped in torch
+        if torch.cuda.is_available() and initialized():  # dropout on a GPU draws from these
             for i, device_state in enumerate(torch.cuda.get_rng_state_all()):
                 arrays[f"{name}.cuda{i}"] = device_state.numpy()
         arrays.update(split_value(f"{name}.numpy", np.random.get_state()))
@@ -221,7 +222,8 @@ def tensor_array(tensor: Any) -> np.ndarray:
         tensor = tensor.cpu()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    array: np.ndarray = tensor.numpy()
+    return array
 
 
 def split_value(name: str, tree: Any) -> dict[str, np.ndarray]:

@@ -244,9 +244,9 @@ class State:
             elif not adopting:
                 handler.apply(name, group)
 
-    def _group(self, arrays: Mapping[str, np.ndarray], labels: Mapping[str, str]) -> dict[str, dict]:
+    def _group(self, arrays: Mapping[str, np.ndarray], labels: Mapping[str, str]) -> dict[str, dict[str, np.ndarray]]:
         """The arrays by the value they belong to: the longest dotted prefix that names a value."""
-        groups: dict[str, dict] = {}
+        groups: dict[str, dict[str, np.ndarray]] = {}
         for key, array in arrays.items():
             name = key
             while name not in self._handlers and name not in labels and "." in name:

@@ -71,11 +71,13 @@ def plan_stage_recovery(stages: int, lost: set[int], replicas: Mapping[int, set[
         if live:
             plan[s] = StageRecovery(s, "replica", (live[0],))
     # A stage rebuilt from a replica can serve its neighbours' CheckFree: repeat until nothing moves.
+    def whole(t: int) -> bool:
+        return t not in lost or t in plan
+
     progress = True
     while progress:
         progress = False
         for s in sorted(lost - set(plan)):
-            whole = lambda t: t not in lost or t in plan  # noqa: E731
             if 0 < s < stages - 1 and whole(s - 1) and whole(s + 1):
                 plan[s] = StageRecovery(s, "checkfree", (s - 1, s + 1))
             elif s in (0, stages - 1) and stages > 2 and checkfree_plus and whole(1 if s == 0 else s - 1):

@@ -260,7 +260,7 @@ class ReplicatedStore:
                 self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
                 world.events.emit("replication_reduced", replication=self.replication, ranks=len(layout.ranks))
             # What goes to each holder, announced with the payload's size: O(pieces) per peer.
-            notes: dict[int, list] = {}
+            notes: dict[int, list[tuple[int, int, int, int]]] = {}
             for p in mine:
                 notes.setdefault(world.current_rank_of(p.holder), []).append((p.copy, p.first, p.count, total))
             told = world.alltoall(notes)
@@ -372,7 +372,7 @@ class ReplicatedStore:
         assert self._node is not None
         world = self.world
         me = int(world.logical_rank)
-        offers: dict[int, tuple[dict, np.ndarray | None, np.ndarray | None]] = {}
+        offers: dict[int, tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]] = {}
         for doc in self._node.manifests():
             try:
                 if (doc["owner"], doc["chunk_bytes"], doc["replication"]) != (me, self.chunk_bytes, self.replication):
@@ -394,7 +394,9 @@ class ReplicatedStore:
             raise
         def layout_of(version: int) -> Layout:  # collective: every rank asks for the same versions in turn
             root = next(i for i, offer in enumerate(everyone) if version in offer)
-            return world.bcast(_layout(offers[version][0]["domains"]) if world.rank == root else None, root=root)
+            layout: Layout = world.bcast(_layout(offers[version][0]["domains"]) if world.rank == root else None,
+                                         root=root)
+            return layout
         chosen = _newest_whole(everyone, [int(r) for r in world.logical_ranks], self.chunk_bytes, self.replication,
                                layout_of)
         world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
@@ -403,7 +405,7 @@ class ReplicatedStore:
             if chosen in offers:
                 self._keep(chosen, *offers[chosen])
 
-    def _keep(self, number: int, doc: dict, own: np.ndarray | None, buffer: np.ndarray | None) -> None:
+    def _keep(self, number: int, doc: dict[str, Any], own: np.ndarray | None, buffer: np.ndarray | None) -> None:
         """Make an attached version this rank's current one (local)."""
         me = int(self.world.logical_rank)
         held = {}
@@ -523,7 +525,11 @@ def _layout(domains: list[list[int]]) -> Layout:
     return Layout.of({r: str(d) for d, members in enumerate(domains) for r in members})
 
 
-def _newest_whole(offers: list[dict], active: list[int], chunk_bytes: int, replication: int,
+# What one rank holds of a version, as the ranks tell it each other: {owner: payload bytes}, own payload, copies.
+Offer = tuple[dict[int, int], bool, bool]
+
+
+def _newest_whole(offers: list[dict[int, Offer]], active: list[int], chunk_bytes: int, replication: int,
                   layout_of: Callable[[int], Layout]) -> int | None:
     """The newest version that the ranks' offers hold whole: every owner's payload on a live rank,
     or each of its chunks in some live rank's copies (the same on every rank; ``layout_of``
