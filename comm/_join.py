@@ -1,25 +1,25 @@
 """How a process joins the world: launched with the job (``init``), or spawned as a replacement."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import _log, _spares
+from . import _log
 from ._collectives import allgather, bcast
 from ._config import Config
 from ._errors import ConfigError, mpi_errors
 from ._events import EventLog
 from ._membership import Members
-from ._ranks import SPARE
 from ._policy import FixedOrder, RebuildPolicy
-from ._ranks import LogicalRank, Role
-from ._rebuild import JOIN_SECONDS, Rebuild, split_actives
+from ._ranks import SPARE, LogicalRank, Role
+from ._rebuild import JOIN_SECONDS, Generation, Rebuild, split_actives
 from ._ulfm import check_ulfm
 from ._world import WATCHDOG, World
 
@@ -70,29 +70,26 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     members = Members(universe, table, [None] * n)
     # A relaunch's processes are all replacements: their state comes back from the nodes' memory.
     role = Role.SPARE if members.mine() == SPARE else Role.RECOVERED if relaunch else Role.INITIAL
-    world = World(members, config, policy or FixedOrder(config.rebuild, config.min_size),
-                  relaunch.initial_size if relaunch else n - config.spares, relaunch.generation if relaunch else 0,
-                  role)
+    rebuild = None
     if relaunch is not None:
-        world.committed = relaunch.committed  # then losing every copy is DataLost, not a fresh start
-        world.failures_seen = True
-        world.last_rebuild = Rebuild(relaunch.generation, "relaunch", frozenset(map(LogicalRank, relaunch.failed)),
-                                     frozenset(map(LogicalRank, relaunch.replaced)),
-                                     frozenset(map(LogicalRank, relaunch.removed)), 0, 1, {})
-    world.alone = alone and not config.require_ulfm
+        rebuild = Rebuild(relaunch.generation, "relaunch", frozenset(map(LogicalRank, relaunch.failed)),
+                          frozenset(map(LogicalRank, relaunch.replaced)), frozenset(map(LogicalRank, relaunch.removed)),
+                          0, relaunch.count, {}, tuple({"what": f"node {n} lost"} for n in relaunch.lost_nodes))
+    # A relaunch's committed: then losing every copy is DataLost, not a fresh start.
+    start = Generation(rebuild.generation if rebuild else 0, members, cast(MPI.Intracomm, MPI.COMM_NULL), role,
+                       rebuild, committed=relaunch.committed if relaunch else False)
+    world = World(start, config, policy or FixedOrder(config.rebuild, config.min_size),
+                  relaunch.initial_size if relaunch else n - config.spares, alone=alone and not config.require_ulfm)
     world.lifecycle.install()
     with mpi_errors(universe):
-        world.comm = split_actives(members)
+        world.adopt(dataclasses.replace(start, comm=split_actives(members)))
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
                       sentinel=world.watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
-    if relaunch is not None:  # the report's timeline: a recovery like a rebuild, by a relaunch
-        world.events.emit("rebuilt", mode="relaunch", failed=relaunch.failed, replaced=relaunch.replaced,
-                          removed=relaunch.removed, lost_spares=0, attempts=relaunch.count, size=members.actives(),
-                          durations={}, causes=[{"what": f"node {n} lost"} for n in relaunch.lost_nodes], streak=1,
-                          lost_nodes=relaunch.lost_nodes)
+    if relaunch is not None and rebuild is not None:  # the report's timeline: a recovery by a relaunch
+        world.announce(rebuild, lost_nodes=relaunch.lost_nodes)
     if role is Role.SPARE:
-        _spares.park(world)
+        world.park()
     else:
         world.export_env()
         world.watchdog.watch_progress(True)
@@ -121,11 +118,10 @@ def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> Wor
     table, procs = payload["members"]
     state = payload["world"]
     config = state["config"]  # the job's, as the parents run it
-    world = World(Members(merged, table, procs), config, policy or FixedOrder(config.rebuild, config.min_size),
-                  state["initial_size"], state["generation"], Role.RECOVERED)
-    world.history, world.streak, world.step = state["history"], state["streak"], state["step"]
-    world.committed = state["committed"]
-    world.failures_seen = True
+    joining = Generation(state["generation"], Members(merged, table, procs), cast(MPI.Intracomm, MPI.COMM_NULL),
+                         Role.RECOVERED, streak=state["streak"], committed=state["committed"])
+    world = World(joining, config, policy or FixedOrder(config.rebuild, config.min_size), state["initial_size"],
+                  history=state["history"], step=state["step"])
     world.lifecycle.install()
     world.events.emit("spawned", sentinel=world.watchdog.active)
     world.rebuild(join=True)

@@ -27,12 +27,14 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import is_agreed, last_agreed
+from ._events import EventLog
+from ._watchdog import Watchdog
 
-if TYPE_CHECKING:
-    from ._world import World
+if TYPE_CHECKING:  # importing elastic.comm must not initialize MPI
+    from mpi4py import MPI
 
 _installed: list["Lifecycle"] = []
 
@@ -43,10 +45,27 @@ def _leave_at_exit() -> None:
         _installed[-1]._at_exit()
 
 
+class Host(Protocol):
+    """What the exit paths need of the process's World (read-only, and the spares' release)."""
+
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def watchdog(self) -> Watchdog: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def failures_seen(self) -> bool: ...
+    @property
+    def universe(self) -> "MPI.Intracomm": ...
+
+    def release_spares(self) -> None: ...
+
+
 class Lifecycle:
     """The exit paths of one process (local, except ``leave_together``: collective over the universe)."""
 
-    def __init__(self, world: "World") -> None:
+    def __init__(self, world: Host) -> None:
         self._world = world
         self.finished = False      # finish() done, or a spare released: leave together, exit 0
         self.stopped = False       # an agreed error ends the job: leave together, exit 1

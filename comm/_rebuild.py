@@ -16,21 +16,19 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterable, cast
+from typing import Any, Iterable, Protocol, cast
 
 from mpi4py import MPI
 
 from ._collectives import allgather, bcast
 from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
-from ._events import read_cause
+from ._config import Config
+from ._events import EventLog, read_cause
 from ._membership import Members, Proc
-from ._ranks import SPARE
-from ._policy import Decision, Outlook, RebuildContext
-from ._ranks import LogicalRank, Role
+from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy
+from ._ranks import SPARE, LogicalRank, Role
+from ._watchdog import Watchdog
 from .wire import message
-
-if TYPE_CHECKING:
-    from ._world import World
 
 JOIN_SECONDS = 30.0  # a spawned process that has not joined its parents by then is given up
 HOST_VERDICT_SECONDS = 5.0  # how long survivors wait for the runtime's end after a whole host's processes died
@@ -50,6 +48,43 @@ class Rebuild:
     durations: dict[str, float]            # seconds per phase: agree (the shrink), substitute, install, total
     causes: tuple[dict[str, Any], ...] = ()  # how the dead processes ended, where they said so
     streak: int = 1                        # rebuilds since the last successful commit
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """This process's view of one generation of the job: what a join or a rebuild hands the World
+    (which adopts it whole, in one place) and what stays true until the next rebuild."""
+
+    number: int
+    members: Members                       # the universe: every live process, parked spares too
+    comm: MPI.Intracomm                    # the active ranks by logical rank (COMM_NULL on a spare)
+    role: Role
+    rebuild: Rebuild | None = None         # how this generation came to be (None: the job's start)
+    streak: int = 0                        # rebuilds since the last successful commit
+    committed: bool = False                # a commit was agreed in this job (state exists that must not be lost)
+
+
+class RebuildHost(Protocol):
+    """What a rebuild needs of the process it runs in (the World), read-only: it writes nothing
+    there and hands back a ``Generation``."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def policy(self) -> RebuildPolicy: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def watchdog(self) -> Watchdog: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def streak(self) -> int: ...
+    @property
+    def committed(self) -> bool: ...
+
+    def fire(self, members: Members, point: str, index: int | None = None) -> None: ...
+    def handover(self) -> dict[str, Any]: ...
 
 
 @message
@@ -79,21 +114,25 @@ class Summary:
 
 
 class Rebuilder:
-    """Runs one rebuild for ``world`` (every method collective over the round's universe)."""
+    """Runs one rebuild for ``world`` (every method collective over the round's universe).
 
-    def __init__(self, world: "World", outlook: Outlook) -> None:
+    ``members`` follows the rounds: after an agreed stop it is the universe every live
+    process shares, the one to leave together on."""
+
+    def __init__(self, world: RebuildHost, outlook: Outlook, members: Members) -> None:
         self.world = world
         self.outlook = outlook
+        self.members = members
+        self.comm = cast(MPI.Intracomm, MPI.COMM_NULL)  # the active ranks' communicator, once installed
         self.durations: dict[str, float] = {}
 
     def _timed(self, phase: str, since: float) -> None:
         self.durations[phase] = self.durations.get(phase, 0.0) + time.perf_counter() - since
 
-    def run(self, members: Members, join: bool) -> Rebuild:
+    def run(self, join: bool) -> Generation:
         """Rounds until one succeeds everywhere; a spawned process ``join``s at the install."""
-        world = self.world
+        world, members = self.world, self.members
         started = time.perf_counter()
-        world.failures_seen = True
         done = Summary(streak=world.streak + 1, committed=world.committed)
         if not join:
             world.fire(members, "agree")
@@ -121,30 +160,20 @@ class Rebuilder:
                     pass
         self.durations["total"] = time.perf_counter() - started
         assert summary is not None
-        return self._adopt(summary)
+        return self._generation(summary)
 
-    def _adopt(self, summary: Summary) -> Rebuild:
+    def _generation(self, summary: Summary) -> Generation:
         """Every process, a spawned one too, takes universe rank 0's summary (an old member's)."""
-        world = self.world
-        world.generation += 1
-        world.streak = summary.streak
-        world.committed = world.committed or summary.committed
-        mine = world.members.mine()
-        world.role = Role.SPARE if mine == SPARE else Role.RECOVERED if mine in summary.replaced else Role.SURVIVOR
-        result = Rebuild(world.generation, "+".join(summary.modes) or "none",
-                         frozenset(map(LogicalRank, summary.failed)), frozenset(map(LogicalRank, summary.replaced)),
-                         frozenset(map(LogicalRank, summary.removed)), summary.lost_spares, summary.attempts,
-                         self.durations, tuple(summary.causes), summary.streak)
-        world.last_rebuild = result
-        world.events.emit("rebuilt", mode=result.mode, failed=result.failed, replaced=result.replaced,
-                          removed=result.removed, lost_spares=result.lost_spares, attempts=result.attempts,
-                          size=world.members.actives(), durations=self.durations, causes=list(result.causes),
-                          streak=result.streak, local=None if mine == SPARE else [world.local_rank, world.local_size])
-        if mine != SPARE:
-            world.progress()
-        self._stop_a_programming_error(result)
-        self._stop_a_repeated_error(result)
-        return result
+        world, members = self.world, self.members
+        mine = members.mine()
+        number = world.generation + 1
+        rebuild = Rebuild(number, "+".join(summary.modes) or "none",
+                          frozenset(map(LogicalRank, summary.failed)), frozenset(map(LogicalRank, summary.replaced)),
+                          frozenset(map(LogicalRank, summary.removed)), summary.lost_spares, summary.attempts,
+                          self.durations, tuple(summary.causes), summary.streak)
+        role = Role.SPARE if mine == SPARE else Role.RECOVERED if mine in summary.replaced else Role.SURVIVOR
+        return Generation(number, members, self.comm, role, rebuild, summary.streak,
+                          world.committed or summary.committed)
 
     # ------------------------------------------------------------------ one round
     def _round(self, members: Members, done: Summary) -> None:
@@ -164,7 +193,7 @@ class Rebuilder:
         self._timed("agree", t)
         world.events.emit("agreed", failed=[members.table[u] for u in dead if members.table[u] != SPARE],
                           failed_universe=dead, attempt=done.attempts)
-        _fence(world, dead, members)
+        _fence(world.events, dead, members)
         self._await_the_runtime(dead, members)
         done.causes.extend(self._causes(dead, members))
         world.fire(members, "rebuild")
@@ -261,7 +290,7 @@ class Rebuilder:
         """
         if not members.comm.Agree(1):
             raise ProcessFailure("a process could not reach the decision")
-        self.world.members = members  # leaving together needs the communicator everyone shares now
+        self.members = members  # leaving together needs the communicator everyone shares now
         raise agreed(Unrecoverable(message))
 
     # ------------------------------------------------------------------ spawn
@@ -315,11 +344,11 @@ class Rebuilder:
         finish; the caller's vote makes that uniform.
         """
         world = self.world
-        world.members = members
+        self.members = members
         try:
             if not members.comm.Agree(1):  # nobody died since: Split must not meet a dead member (it can spin)
                 return None
-            world.comm = split_actives(members)
+            self.comm = split_actives(members)
             members.procs = allgather(members.comm, (socket.gethostname(), os.getpid()))
             shared: Summary = bcast(members.comm, done, 0)
             return shared
@@ -342,35 +371,35 @@ class Rebuilder:
                 causes.append({"logical": None if members.table[u] == SPARE else members.table[u], **cause})
         return causes
 
-    @staticmethod
-    def _stop_a_programming_error(rebuild: Rebuild) -> None:
-        """A rank that died of an error saying the program is wrong (``ConfigError``: a value the
-        library refuses, a bad setting) stops the job with that error: a replacement or the
-        survivors would run the same program. Every process decides alike (the agreed causes)."""
-        for cause in rebuild.causes:
-            if cause.get("programming"):
-                raise agreed(ConfigError(
-                    f"logical rank {cause.get('logical')} raised {cause['what']} (at step {cause.get('step')}): a "
-                    "programming error, not a failure to recover from; fix it and start the job again"))
 
-    def _stop_a_repeated_error(self, rebuild: Rebuild) -> None:
-        """The same software error at the same step twice: recovering again would only repeat it.
+def stop_a_programming_error(rebuild: Rebuild) -> None:
+    """A rank that died of an error saying the program is wrong (``ConfigError``: a value the
+    library refuses, a bad setting) stops the job with that error: a replacement or the
+    survivors would run the same program. Every process decides alike (the agreed causes)."""
+    for cause in rebuild.causes:
+        if cause.get("programming"):
+            raise agreed(ConfigError(
+                f"logical rank {cause.get('logical')} raised {cause['what']} (at step {cause.get('step')}): a "
+                "programming error, not a failure to recover from; fix it and start the job again"))
 
-        Every process decides alike: the causes came with the agreed summary,
-        and the history is shared with spares (they take part in every rebuild)
-        and spawned processes (it comes with their start).
-        """
-        history = self.world.history
-        for cause in rebuild.causes:
-            if not cause.get("software") or cause.get("injected") or cause.get("step") is None:
-                continue
-            key = (cause["what"], cause["step"])
-            if key in history:
-                raise agreed(Unrecoverable(
-                    f"logical rank {cause.get('logical')} failed with the same error at step {cause['step']} as "
-                    f"before the last recovery ({cause['what']}); recovering again would repeat it: fix the "
-                    "error and start the job again"))
-            history.add(key)
+
+def stop_a_repeated_error(rebuild: Rebuild, history: set[tuple[str, Any]]) -> None:
+    """The same software error at the same step twice: recovering again would only repeat it.
+
+    Every process decides alike: the causes came with the agreed summary,
+    and the history is shared with spares (they take part in every rebuild)
+    and spawned processes (it comes with their start).
+    """
+    for cause in rebuild.causes:
+        if not cause.get("software") or cause.get("injected") or cause.get("step") is None:
+            continue
+        key = (cause["what"], cause["step"])
+        if key in history:
+            raise agreed(Unrecoverable(
+                f"logical rank {cause.get('logical')} failed with the same error at step {cause['step']} as "
+                f"before the last recovery ({cause['what']}); recovering again would repeat it: fix the "
+                "error and start the job again"))
+        history.add(key)
 
 
 def hosts_lost(procs: list[Proc | None], dead: Iterable[int]) -> list[str]:
@@ -391,7 +420,7 @@ def split_actives(members: Members) -> MPI.Intracomm:
     return comm
 
 
-def _fence(world: "World", dead: Iterable[int], members: Members) -> None:
+def _fence(events: EventLog, dead: Iterable[int], members: Members) -> None:
     """Kill dead-declared processes on this host: a hung rank would keep mpiexec alive (local).
 
     ``members`` is the communicator the agreement ran on, so only a process
@@ -404,7 +433,7 @@ def _fence(world: "World", dead: Iterable[int], members: Members) -> None:
         if proc is not None and proc[0] == host and proc[1] != os.getpid():
             try:
                 os.kill(proc[1], signal.SIGKILL)
-                world.events.emit("fenced", victim_pid=proc[1], victim_host=proc[0],
+                events.emit("fenced", victim_pid=proc[1], victim_host=proc[0],
                                   victim_logical=None if members.table[u] == SPARE else members.table[u])
             except (ProcessLookupError, PermissionError):
                 pass

@@ -1,4 +1,4 @@
-"""Parked spares: how they wait, how they are promoted, and how they are let go.
+"""Parked spares' messages: how they wait, and how they are let go (``World.park`` is the loop).
 
 A spare waits for a receive on the universe, testing it every few
 milliseconds and sleeping in between: a blocking MPI receive would spin on a
@@ -11,59 +11,21 @@ a release (an empty message: nothing to decode).
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
-from ._errors import Unrecoverable, agreed, translate
+from ._membership import Members
 from ._ranks import SPARE
-from ._ranks import Role
-
-if TYPE_CHECKING:
-    from ._world import World
 
 TAG_RELEASE = 7701
 POLL_SECONDS = 0.002  # a promotion waits at most this long for the spare to notice the revoke
 
 
-def park(world: "World") -> None:
-    """Wait as a spare until promoted (returns) or released at the end of the job (exits)."""
-    world.events.emit("parked")
-    world.watchdog.watch_progress(False)  # waiting is a parked spare's job
-    members = world.members
-    world.fire(members, "park", index=members.table[:members.comm.Get_rank()].count(SPARE))
-    while world.role is Role.SPARE:
-        universe = world.members.comm
-        try:
-            _wait_for_release(universe)
-        except MPI.Exception as exc:
-            if exc.Get_error_class() == MPI.ERR_REVOKED:
-                world.rebuild(join=False)
-                continue
-            if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
-                universe.Ack_failed()  # the active ranks will revoke if it matters...
-                failed = world.members.known_failed()
-                if all(u in failed for u, e in enumerate(world.members.table) if e != SPARE):
-                    # ...unless none is left to do it
-                    raise agreed(Unrecoverable("every active rank died; the parked spares have nothing "
-                                               "to take over from")) from None
-                continue
-            raise translate(exc, universe) from exc
-        world.events.emit("released")
-        world.events.write_outcome("spare-unused")
-        world.lifecycle.finished = True
-        sys.exit(0)
-    world.events.emit("promoted", logical=world.logical_rank)
-    world.watchdog.watch_progress(True)
-
-
-def release(world: "World", released: set[int]) -> None:
+def send_releases(members: Members, released: set[int]) -> None:
     """Send the release to every parked spare, if this is the lowest live active process (local
     to the universe; called again after every failure on the way out). ``released``: done already."""
-    members = world.members
     me = members.comm.Get_rank()
     if members.table[me] == SPARE:
         return
@@ -80,7 +42,13 @@ def release(world: "World", released: set[int]) -> None:
                 pass  # a dead spare needs no release; the agreement acknowledges it
 
 
-def _wait_for_release(universe: MPI.Intracomm) -> None:
+def every_active_failed(members: Members) -> bool:
+    """Every active rank is known dead here (local): a parked spare has nobody to take over from."""
+    failed = members.known_failed()
+    return all(u in failed for u, e in enumerate(members.table) if e != SPARE)
+
+
+def wait_for_release(universe: MPI.Intracomm) -> None:
     """Return when the release arrives; raises what the receive fails with (a revoke, a death)."""
     request = universe.Irecv(np.empty(0, np.uint8), source=MPI.ANY_SOURCE, tag=TAG_RELEASE)
     try:

@@ -6,13 +6,18 @@ ranks, ordered by logical rank: what users compute on). The layers above use
 the facade below, never ``comm`` itself: agreed collectives (``vote``,
 ``allgather``, ``bcast``, ``alltoall``: the outcome is the same on every rank)
 and data-plane ones (``exchange``, ``allreduce``). The rebuild is
-``_rebuild``'s, parked spares ``_spares``', how a process joins ``_join``'s and how
-it ends ``_lifecycle``'s.
+``_rebuild``'s, the spares' messages ``_spares``', how a process joins ``_join``'s
+and how it ends ``_lifecycle``'s. None of them writes here: a join or a rebuild
+hands over a frozen ``Generation`` (membership, communicators, role, streak) and
+``adopt`` takes it whole, so the modules below see the World only through the
+read-only protocols they declare (``RebuildHost``, ``lifecycle.Host``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import sys
 from typing import Any, Callable, Iterator, Mapping, TypeVar, cast
 
 import numpy as np
@@ -20,7 +25,7 @@ from mpi4py import MPI
 
 from . import _collectives, _spares
 from ._config import Config
-from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, mpi_errors
+from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from ._events import EventLog
 from ._faults import FaultInjector, Injection
 from ._lifecycle import Lifecycle
@@ -28,7 +33,7 @@ from ._membership import Members
 from ._ranks import SPARE
 from ._policy import Outlook, RebuildPolicy
 from ._ranks import CurrentRank, LogicalRank, Role
-from ._rebuild import Rebuild, Rebuilder
+from ._rebuild import Generation, Rebuild, Rebuilder, stop_a_programming_error, stop_a_repeated_error
 from ._watchdog import Watchdog
 
 # The heartbeat starts with MPI: from here on a stopped or frozen process is found by its sentinel.
@@ -40,25 +45,57 @@ WATCHDOG.start()
 class World:
     """The job's live processes and this process's place among them. Build it with ``init()``."""
 
-    def __init__(self, members: Members, config: Config, policy: RebuildPolicy, initial_size: int,
-                 generation: int, role: Role) -> None:
-        self.members = members
-        self.comm = cast(MPI.Intracomm, MPI.COMM_NULL)  # set by the join
+    def __init__(self, generation: Generation, config: Config, policy: RebuildPolicy, initial_size: int, *,
+                 history: set[tuple[str, Any]] | None = None, step: int | None = None, alone: bool = False) -> None:
+        self._now = generation                # changed by adopt() only: a join's, then each rebuild's
         self.config, self.policy, self.initial_size = config, policy, initial_size
-        self.generation, self.role = generation, role
-        self.last_rebuild: Rebuild | None = None
-        self.step: int | None = None          # the loop's last step, as told by fault_point / progress
+        self.step = step                      # the loop's last step, as told by fault_point / progress
         self._own_step_points = False         # the program calls fault_point(step) itself
-        self.failures_seen = False
-        self.history: set[tuple[str, Any]] = set()  # software errors seen, to stop one that repeats
-        self.streak = 0                       # rebuilds since the last successful commit
-        self.committed = False                # a commit was agreed in this job (known to replacements too)
+        # A replacement (spawned or relaunched) exists because of a failure.
+        self.failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
+        self.history = history if history is not None else set()  # software errors seen, to stop a repeat
         self.watchdog = WATCHDOG
         self.events = EventLog(config.run_dir, self._context)
         self.lifecycle = Lifecycle(self)
         self._faults = FaultInjector(config.inject, self._announce_fault)
         self._released: set[int] = set()
-        self.alone = False  # a single process started without mpiexec (debugging): nothing survivable
+        self.alone = alone  # a single process started without mpiexec (debugging): nothing survivable
+
+    def adopt(self, generation: Generation) -> None:
+        """Make ``generation`` this process's (local): the one place where its membership changes."""
+        self._now = generation
+
+    # ------------------------------------------------------------ generation
+    @property
+    def members(self) -> Members:
+        return self._now.members
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare)."""
+        return self._now.comm
+
+    @property
+    def generation(self) -> int:
+        return self._now.number
+
+    @property
+    def role(self) -> Role:
+        return self._now.role
+
+    @property
+    def last_rebuild(self) -> Rebuild | None:
+        return self._now.rebuild
+
+    @property
+    def streak(self) -> int:
+        """Rebuilds since the last successful commit."""
+        return self._now.streak
+
+    @property
+    def committed(self) -> bool:
+        """A commit was agreed in this job (known to replacements too)."""
+        return self._now.committed
 
     # ------------------------------------------------------------------ views
     @property
@@ -258,8 +295,9 @@ class World:
 
     # ------------------------------------------------------- the contract
     def note_commit(self) -> None:
-        """A commit succeeded on every active rank (local): failures in a row start again from 0."""
-        self.streak, self.committed = 0, True
+        """A commit succeeded on every active rank, or a committed version was found again (local):
+        failures in a row start again from 0."""
+        self._now = dataclasses.replace(self._now, streak=0, committed=True)
         self.progress()
 
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
@@ -304,11 +342,34 @@ class World:
 
     # ------------------------------------------------------------ internals
     def rebuild(self, join: bool, outlook: Outlook | None = None) -> Rebuild:
+        self.failures_seen = True
         self.watchdog.progress()  # the recovery is this process's progress now: its clock starts here
-        with self.watchdog.waiting():  # a rebuild waits for every live process
-            done = Rebuilder(self, outlook or Outlook()).run(self.members.copy(), join)
+        rebuilder = Rebuilder(self, outlook or Outlook(), self.members.copy())
+        try:
+            with self.watchdog.waiting():  # a rebuild waits for every live process
+                generation = rebuilder.run(join)
+        except ElasticError:
+            # An agreed stop: leaving together needs the communicator every process shares now.
+            self.adopt(dataclasses.replace(self._now, members=rebuilder.members))
+            raise
+        self.adopt(generation)
+        rebuild = generation.rebuild
+        assert rebuild is not None
+        self.announce(rebuild)
+        if self.role is not Role.SPARE:
+            self.progress()
+        stop_a_programming_error(rebuild)
+        stop_a_repeated_error(rebuild, self.history)
         self.export_env()
-        return done
+        return rebuild
+
+    def announce(self, rebuild: Rebuild, **extra: Any) -> None:
+        """The ``rebuilt`` event of this generation (local): the report's and the tools' record of it."""
+        spare = self.role is Role.SPARE
+        self.events.emit("rebuilt", mode=rebuild.mode, failed=rebuild.failed, replaced=rebuild.replaced,
+                         removed=rebuild.removed, lost_spares=rebuild.lost_spares, attempts=rebuild.attempts,
+                         size=self.members.actives(), durations=rebuild.durations, causes=list(rebuild.causes),
+                         streak=rebuild.streak, local=None if spare else [self.local_rank, self.local_size], **extra)
 
     def export_env(self) -> None:
         """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them (current ranks), for
@@ -317,8 +378,36 @@ class World:
             os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.size), LOCAL_RANK=str(self.local_rank),
                               LOCAL_WORLD_SIZE=str(self.local_size))
 
+    def park(self) -> None:
+        """Wait as a spare until promoted (returns) or released at the end of the job (exits)."""
+        self.events.emit("parked")
+        self.watchdog.watch_progress(False)  # waiting is a parked spare's job
+        members = self.members
+        self.fire(members, "park", index=members.table[:members.comm.Get_rank()].count(SPARE))
+        while self.role is Role.SPARE:
+            universe = self.universe
+            try:
+                _spares.wait_for_release(universe)
+            except MPI.Exception as exc:
+                if exc.Get_error_class() == MPI.ERR_REVOKED:
+                    self.rebuild(join=False)
+                    continue
+                if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
+                    universe.Ack_failed()  # the active ranks will revoke if it matters...
+                    if _spares.every_active_failed(self.members):  # ...unless none is left to do it
+                        raise agreed(Unrecoverable("every active rank died; the parked spares have nothing "
+                                                   "to take over from")) from None
+                    continue
+                raise translate(exc, universe) from exc
+            self.events.emit("released")
+            self.events.write_outcome("spare-unused")
+            self.lifecycle.finished = True
+            sys.exit(0)
+        self.events.emit("promoted", logical=self.logical_rank)
+        self.watchdog.watch_progress(True)
+
     def release_spares(self) -> None:
-        _spares.release(self, self._released)
+        _spares.send_releases(self.members, self._released)
 
     def fire(self, members: Members, point: str, index: int | None = None) -> None:
         """Fire ``point`` faults for this process: a logical rank, or the ``index``-th parked spare."""

@@ -401,7 +401,7 @@ class ReplicatedStore:
                                layout_of)
         world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
         if chosen is not None:
-            world.committed = True
+            world.note_commit()  # a version this job committed: losing it later is DataLost
             if chosen in offers:
                 self._keep(chosen, *offers[chosen])
 
