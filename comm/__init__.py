@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable, agreed
-from ._events import EventLog, read_events, read_fates, read_outcomes, read_result
-from ._faults import InjectedFault, Injection, parse_schedule
+from ._faults import Injection, parse_schedule
 from ._lazy import lazy_exports
 from ._lifecycle import Lifecycle as _Lifecycle  # noqa: F401  (registers the exit path early: see there)
 from ._policy import Decision, FixedOrder, Outlook, RebuildContext, RebuildPolicy
@@ -23,18 +22,16 @@ from ._ranks import CurrentRank, LogicalRank, Role
 if TYPE_CHECKING:
     from ._join import init
     from ._rebuild import Rebuild
-    from ._ulfm import agree_on_failed, check_ulfm
     from ._world import World
 
 __getattr__, __dir__ = lazy_exports(globals(), {
     "init": "._join", "World": "._world", "Rebuild": "._rebuild",
-    "check_ulfm": "._ulfm", "agree_on_failed": "._ulfm",
 })
 
+# What the job wrote down is read through ``elastic.comm.events`` (read_events, read_outcomes, ...).
 __all__ = [
     "init", "World", "Rebuild", "Config", "Role", "LogicalRank", "CurrentRank",
     "RebuildPolicy", "RebuildContext", "Decision", "FixedOrder", "Outlook",
-    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "InjectedFault", "agreed",
-    "Injection", "parse_schedule", "check_ulfm", "agree_on_failed",
-    "EventLog", "read_events", "read_outcomes", "read_fates", "read_result",
+    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "agreed",
+    "Injection", "parse_schedule",
 ]

@@ -15,7 +15,7 @@ from . import _log
 from ._collectives import allgather, bcast
 from ._config import Config
 from ._errors import ConfigError, mpi_errors
-from ._events import EventLog
+from .events import EventLog
 from ._membership import Members
 from ._policy import FixedOrder, RebuildPolicy
 from ._ranks import SPARE, LogicalRank, Role

@@ -30,7 +30,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import is_agreed, last_agreed
-from ._events import EventLog
+from .events import EventLog
 from ._watchdog import Watchdog
 
 if TYPE_CHECKING:  # importing elastic.comm must not initialize MPI

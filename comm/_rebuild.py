@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ._collectives import allgather, bcast
 from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
 from ._config import Config
-from ._events import EventLog, read_cause
+from .events import EventLog, read_cause
 from ._membership import Members, Proc
 from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy
 from ._ranks import SPARE, LogicalRank, Role

@@ -5,7 +5,7 @@ import os
 
 from mpi4py import MPI
 
-from ._errors import UlfmUnavailable, translate
+from ._errors import UlfmUnavailable
 
 _HOW_TO_RUN = (
     "Launch with `python -m elastic.launch -n N -- python your_script.py` or "
@@ -44,37 +44,3 @@ def check_ulfm(required: bool = True) -> None:
     except (NotImplementedError, MPI.Exception) as exc:
         raise UlfmUnavailable(f"{vendor} {version} does not support ULFM agreement ({exc}). "
                               + _HOW_TO_RUN) from exc
-
-
-_WORD_BITS = 30  # MPI_Comm_agree reduces one C int by bitwise AND
-
-
-def agree_on_failed(comm: MPI.Intracomm) -> frozenset[int]:
-    """Return the set of failed ranks of ``comm``, identical on every survivor.
-
-    Collective over the survivors of ``comm``, blocking; works on a revoked
-    communicator. Each rank acknowledges what it has seen and contributes an
-    "alive" bitmask; the AND over survivors is the union of what anyone saw.
-    ULFM raises ERR_PROC_FAILED from Agree consistently at every survivor when
-    someone died during the round, so every rank retries the same number of times.
-    """
-    size = comm.Get_size()
-    group = comm.Get_group()
-    while True:
-        try:
-            comm.Ack_failed()
-            failed_group = comm.Get_failed()
-            seen = set(MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())), group))
-            failed_group.Free()
-            agreed: set[int] = set()
-            for base in range(0, size, _WORD_BITS):
-                ranks = range(base, min(base + _WORD_BITS, size))
-                word = sum(1 << (r - base) for r in ranks if r not in seen)
-                word = comm.Agree(word)
-                agreed.update(r for r in ranks if not (word >> (r - base)) & 1)
-            group.Free()
-            return frozenset(agreed)
-        except MPI.Exception as exc:
-            if exc.Get_error_class() == MPI.ERR_PROC_FAILED:
-                continue  # a new failure during the round: ack it and agree again
-            raise translate(exc, comm) from exc

@@ -26,7 +26,7 @@ from mpi4py import MPI
 from . import _collectives, _spares
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
-from ._events import EventLog
+from .events import EventLog
 from ._faults import FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members

@@ -19,9 +19,7 @@ first use, so tools (``python -m elastic.launch``, ``elastic.report``) never do.
 """
 from typing import TYPE_CHECKING
 
-from elastic.comm import (
-    ConfigError, CurrentRank, ElasticError, LogicalRank, ProcessFailure, Role, UlfmUnavailable, Unrecoverable, agreed,
-)
+from elastic.comm import ConfigError, ElasticError, ProcessFailure, Role, UlfmUnavailable, Unrecoverable, agreed
 from elastic.comm._lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -42,6 +40,6 @@ __getattr__, __dir__ = lazy_exports(globals(), {
 __all__ = [
     "init", "run", "State", "TorchState", "allreduce_gradients", "GlobalBatches", "micro_batches", "Policy",
     "StepClock", "device",
-    "World", "Rebuild", "Role", "LogicalRank", "CurrentRank",
+    "World", "Rebuild", "Role",
     "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "DataLost", "agreed",
 ]

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastic.comm import read_events
+from elastic.comm.events import read_events
 from elastic.comm._lazy import keep_mpi_uninitialized
 
 keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here

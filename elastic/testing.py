@@ -32,7 +32,7 @@ from typing import Callable, Generator, Mapping, Sequence
 
 import pytest
 
-from elastic.comm import read_events, read_fates, read_outcomes, read_result
+from elastic.comm.events import read_events, read_fates, read_outcomes, read_result
 
 DEFAULT_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elastic.comm import read_events
+from elastic.comm.events import read_events
 from elastic.report import timeline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -146,7 +146,7 @@ def launch(n: int, run_dir: Path, launcher: list[str], worker_args: list[str], e
 
 
 def events_of(run_dir: Path) -> list[dict]:
-    from elastic.comm import read_events
+    from elastic.comm.events import read_events
     return read_events(run_dir)
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from elastic.comm._events import read_events  # noqa: E402  (no MPI: the tool does not start it)
+from elastic.comm.events import read_events  # noqa: E402  (no MPI: the tool does not start it)
 CHUNK = 8 << 20
 PHASES = ("prepare", "exchange", "checksum", "vote", "pack")
 

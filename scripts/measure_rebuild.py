@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.comm import read_events  # noqa: E402
+from elastic.comm.events import read_events  # noqa: E402
 
 MODES = {"shrink": [], "spare": ["--spares", "1"], "spawn": []}
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.report import final_steps  # noqa: E402
-from elastic.comm import read_events  # noqa: E402
+from elastic.comm.events import read_events  # noqa: E402
 
 WAYS = {"none": ("replica",), "replica": ("replica",), "checkfree": ("checkfree",),
         "checkfree+moments": ("checkfree", "--average-moments"), "random": ("random",), "disk": ("disk",)}

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.comm import read_events, read_result  # noqa: E402
+from elastic.comm.events import read_events, read_result  # noqa: E402
 from elastic.report import final_steps  # noqa: E402
 
 RANKS, STEPS = 4, 400

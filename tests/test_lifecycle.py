@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import JOB_TIMEOUT, ROOT, Job, assert_bitwise, fault, launch
-from elastic.comm import read_events
+from elastic.comm.events import read_events
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from elastic.comm import read_events, read_outcomes, read_result
+from elastic.comm.events import read_events, read_outcomes, read_result
 
 CLUSTER = ROOT / "scripts" / "slurm" / "local_cluster.sh"
 pytestmark = [

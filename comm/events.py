@@ -6,6 +6,10 @@ seconds (``time.time()``) so that events of different processes on one host
 compare directly. Every event carries ``"v"``, the schema version
 (``SCHEMA``): 1 = the fields ``event``, ``t``, ``pid``, ``logical``, ``rank``,
 ``gen``, ``role``, then the event's own.
+
+Public for tools (the launcher, the report, scripts, tests): the ``read_*``
+functions, and ``describe_end``, which says how a process ended from what it
+and its sentinel wrote.
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ from typing import Any, Callable
 SCHEMA = 1
 _LOG = logging.getLogger("elastic.events")  # at DEBUG (the launcher's --verbose) every event, as it happens
 _CONTEXT = ("event", "t", "v", "pid", "logical", "rank", "gen", "role")  # fields every event carries
+
+__all__ = ["EventLog", "read_events", "read_outcomes", "read_result", "read_fates", "describe_end", "SIGNAL_ERRORS",
+           "PROGRAMMING_ERRORS"]
+
 
 class EventLog:
     """Appends one JSON object per event; a no-op when no run directory is set."""
