@@ -25,8 +25,37 @@ SCHEMA = 1
 _LOG = logging.getLogger("elastic.events")  # at DEBUG (the launcher's --verbose) every event, as it happens
 _CONTEXT = ("event", "t", "v", "pid", "logical", "rank", "gen", "role")  # fields every event carries
 
-__all__ = ["EventLog", "read_events", "read_outcomes", "read_result", "read_fates", "describe_end", "SIGNAL_ERRORS",
-           "PROGRAMMING_ERRORS"]
+# Every event the library writes, and what it means: emitters, the report, the launcher and the tests
+# use these names (tests/test_unit.py holds each of them to this table). Programs may add their own.
+EVENTS: dict[str, str] = {
+    # a process's life
+    "started": "joined the job at launch (size, spares, modes, sentinel; relaunch: its count)",
+    "spawned": "a spawned replacement started and is about to join its parents' rebuild",
+    "parked": "a spare began waiting", "promoted": "a spare took over a lost logical rank",
+    "released": "a spare was let go at the end of the job", "finished": "the job finished on this rank",
+    "error": "an error ends this rank (scope rank) or the whole job alike (scope job)",
+    "inject": "an injected fault fires here (the schedule entry's fields)",
+    "result": "the program's result (its final loss, a model's hash)",
+    # a recovery
+    "failure_seen": "this rank saw a failure and revoked", "agreed": "the survivors agreed who died (the shrink)",
+    "fenced": "a process declared dead was killed on this host", "decision": "the policy's modes for the lost ranks",
+    "host_processes_lost": "every process of a host died: waited for the runtime's verdict",
+    "spawn_failed": "spawning did not work; the policy is asked again", "install_failed": "a round's install failed",
+    "rebuild_retry": "a failure during the rebuild: one more round", "rebuilt": "a new generation, how it was made",
+    "resumed": "the loop goes on from a restored version",
+    # the state
+    "committed": "a version became current on every rank", "replication_reduced": "fewer ranks than copies asked for",
+    "store_recovered": "the lost payloads came back from copies", "restored": "this rank's part of a recovery",
+    "store_attached": "versions found again in the nodes' memory after a relaunch",
+    "state_restored": "the program's values were put back from a version", "data_lost": "no copy of some state is left",
+    "corrupt_copy": "a copy failed its checksum and was not used",
+    # the layers above
+    "step": "one training step (loss, seconds, samples)", "process_group": "torch.distributed was (re)built",
+    "stage_rebuilt": "a pipeline stage came back (replica, CheckFree, CheckFree+)",
+}
+
+__all__ = ["EVENTS", "EventLog", "read_events", "read_outcomes", "read_result", "read_fates", "describe_end",
+           "SIGNAL_ERRORS", "PROGRAMMING_ERRORS"]
 
 
 class EventLog:

@@ -196,3 +196,24 @@ def test_the_product_never_unpickles_or_calls_mpi4py_object_methods():
         found += [f"{path.name}: import pickle" for _ in re.finditer(r"^\s*(import|from) pickle\b", text, re.M)]
         found += [f"{path.name}: {m.group(0)}" for m in calls.finditer(text)]
     assert not found
+
+
+def test_every_event_written_or_read_is_in_the_schema():
+    """The library writes exactly the events ``elastic.comm.events.EVENTS`` lists, and the report,
+    the launcher, the scripts and the tests read no other name (a typo on either side fails here,
+    not as an empty timeline). Programs' own events (the examples') are allowed to readers."""
+    import re
+    from elastic.comm.events import EVENTS
+    root = Path(__file__).resolve().parents[1]
+
+    def found(dirs: tuple[str, ...], pattern: str) -> set[str]:
+        paths = [p for d in dirs for p in sorted((root / d).rglob("*.py"))]
+        return {m.group(1) for p in paths for m in re.finditer(pattern, p.read_text())}
+
+    emits = r'emit\(\s*"([a-z_]+)"'
+    assert found(("elastic", "comm", "recovery"), emits) == set(EVENTS)
+    programs = found(("examples", "tests/programs", "scripts"), emits)
+    reads = found(("elastic", "scripts", "tests"), r'"event"\]\s*==\s*"([a-z_]+)"')
+    reads |= found(("elastic",), r'\bkind\s*==\s*"([a-z_]+)"') - {"numpy", "python"}  # the report's; handlers' kinds
+    reads |= found(("tests",), r'\.of\("([a-z_]+)"\)')
+    assert reads and reads <= set(EVENTS) | programs, sorted(reads - set(EVENTS) - programs)
