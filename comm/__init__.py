@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable, agreed
-from ._faults import Injection, parse_schedule
+from ._group import Group
 from ._lazy import lazy_exports
 from ._lifecycle import Lifecycle as _Lifecycle  # noqa: F401  (registers the exit path early: see there)
 from ._policy import Decision, FixedOrder, Outlook, RebuildContext, RebuildPolicy
@@ -28,10 +28,10 @@ __getattr__, __dir__ = lazy_exports(globals(), {
     "init": "._join", "World": "._world", "Rebuild": "._rebuild",
 })
 
-# What the job wrote down is read through ``elastic.comm.events`` (read_events, read_outcomes, ...).
+# What the job wrote down is read through ``elastic.comm.events`` (read_events, read_outcomes, ...), fault
+# schedules through ``elastic.comm.faults`` (parse_schedule, Injection).
 __all__ = [
     "init", "World", "Rebuild", "Config", "Role", "LogicalRank", "CurrentRank",
     "RebuildPolicy", "RebuildContext", "Decision", "FixedOrder", "Outlook",
-    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "agreed",
-    "Injection", "parse_schedule",
+    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "agreed", "Group",
 ]

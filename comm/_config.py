@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from ._errors import ConfigError
-from ._faults import INJECT_ENV, Injection, parse_schedule
+from .faults import INJECT_ENV, Injection, parse_schedule
 from .wire import message
 
 MODES = ("spare", "spawn", "shrink")

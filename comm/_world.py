@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Iterator, Mapping, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -26,8 +26,9 @@ from mpi4py import MPI
 from . import _collectives, _spares
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
+from ._group import Group
 from .events import EventLog
-from ._faults import FaultInjector, Injection
+from .faults import FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members
 from ._ranks import SPARE
@@ -125,14 +126,24 @@ class World:
         return self.members.logical_ranks()
 
     @property
+    def host_peers(self) -> list[int]:
+        """The active logical ranks on this rank's host, ascending (this one included)."""
+        return self.members.host_peers()
+
+    @property
     def local_rank(self) -> int:
         """This rank's place among the active ranks on its host, by logical rank (follows rebuilds)."""
-        return self.members.host_peers().index(int(self.logical_rank))
+        return self.host_peers.index(int(self.logical_rank))
 
     @property
     def local_size(self) -> int:
         """How many active ranks share this rank's host."""
-        return len(self.members.host_peers())
+        return len(self.host_peers)
+
+    @property
+    def ended(self) -> bool:
+        """The job is over for good on this process: finished, or stopped on every process alike."""
+        return self.lifecycle.finished or self.lifecycle.stopped
 
     @property
     def spares(self) -> int:
@@ -425,3 +436,8 @@ class World:
         self.events.emit("inject", **entry.to_dict())
         self.events.write_outcome(f"injected-{entry.action}", injection=entry.to_dict(), step=self.step)
         self.lifecycle.injected()
+
+
+if TYPE_CHECKING:
+    def _keeps_the_contract(world: World) -> Group:  # mypy checks that World implements Group
+        return world

@@ -6,7 +6,9 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from elastic.comm import Config, ConfigError, ProcessFailure, Rebuild, RebuildPolicy, Role, Unrecoverable, World, agreed
+from elastic.comm import (
+    Config, ConfigError, Group, ProcessFailure, Rebuild, RebuildPolicy, Role, Unrecoverable, World, agreed,
+)
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
@@ -115,7 +117,7 @@ def _check_streak(world: World, limit: int) -> None:
         f"logical ranks {sorted(map(int, rebuild.failed))}" + (f" ({causes})" if causes else "")))
 
 
-def allreduce_gradients(world: World, model: Any, bucket_bytes: int = 4 << 20, step: int | None = None) -> None:
+def allreduce_gradients(world: Group, model: Any, bucket_bytes: int = 4 << 20, step: int | None = None) -> None:
     """Sum every parameter's gradient over the active ranks (collective, blocking).
 
     Gradients are packed into buckets of about ``bucket_bytes`` and reduced
@@ -183,7 +185,7 @@ class GlobalBatches:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._orders[epoch]
 
-    def shard(self, step: int, world: World) -> np.ndarray:
+    def shard(self, step: int, world: Group) -> np.ndarray:
         """This rank's part of global batch ``step`` (local; uneven when the size does not divide)."""
         return np.array_split(self.batch(step), world.size)[world.rank]
 

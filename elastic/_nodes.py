@@ -115,7 +115,7 @@ def pending_injections(text: str | None, fired: Iterable[dict], lost: set[str],
     lost node. ``fired``: the ``inject`` events so far; ``host_of``: pid -> host."""
     if not text or text.strip().startswith("["):
         return text
-    from elastic.comm import parse_schedule
+    from elastic.comm.faults import parse_schedule
     done_nodes = {host_of.get(e["pid"]) for e in fired if e["action"] == "node"}
     done = {(e["rank"], e["step"], e["point"], e["action"], e["gen"]) for e in fired}
     keep = []

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Outlook, Unrecoverable, World, agreed, wire
+from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
 from elastic.recovery import ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
@@ -37,7 +37,7 @@ class StepClock:
     the last step.
     """
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: Group) -> None:
         self._world = world
         self._last: float | None = None
         self._shown = time.monotonic()
@@ -89,7 +89,7 @@ class State:
             (removed, survivors) -> {removed: survivor}, the same on every rank (default round-robin).
     """
 
-    def __init__(self, world: World, *, replication: int = 2, local: tuple[str, ...] = (),
+    def __init__(self, world: Group, *, replication: int = 2, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, **values: Any) -> None:
         self._world = world
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
@@ -138,7 +138,7 @@ class State:
             self[name] = value
 
     @property
-    def world(self) -> World:
+    def world(self) -> Group:
         return self._world
 
     @property
@@ -295,7 +295,7 @@ class TorchState(State):
     optimizer)`` loads it (see ``unbound()``).
     """
 
-    def __init__(self, world: World, *, model: Any = None, optimizer: Any = None,
+    def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
                  adopt: Adopt | None = None, **values: Any) -> None:

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch.utils.data
 
-from elastic.comm import ConfigError, World
+from elastic.comm import ConfigError, Group
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -48,7 +48,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         seed: the permutations' seed; the same on every rank.
     """
 
-    def __init__(self, world: World, num_samples: int, global_batch: int, *, step: Callable[[], int],
+    def __init__(self, world: Group, num_samples: int, global_batch: int, *, step: Callable[[], int],
                  seed: int = 0) -> None:
         if not 0 < global_batch <= num_samples:
             raise ConfigError(f"global_batch={global_batch} with {num_samples} samples: "

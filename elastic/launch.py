@@ -43,7 +43,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.comm import Config, ConfigError, Injection, parse_schedule
+from elastic.comm import Config, ConfigError
+from elastic.comm.faults import Injection, parse_schedule
 from elastic.comm._config import Relaunch
 from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
 from elastic.comm._lazy import keep_mpi_uninitialized

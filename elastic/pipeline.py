@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elastic.comm import ProcessFailure, Role, Unrecoverable, World, agreed
+from elastic.comm import Group, ProcessFailure, Role, Unrecoverable, World, agreed
 from elastic.recovery import LR_BOOST, checkfree_average, plan_stage_recovery
 
 from ._state import StepClock, TorchState
@@ -79,7 +79,7 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
     return step
 
 
-def stage_state(world: World, stage: Any, optimizer: Any, **values: Any) -> TorchState:
+def stage_state(world: Group, stage: Any, optimizer: Any, **values: Any) -> TorchState:
     """The replica way back: this rank's stage and optimizer (and ``values``) in a ``TorchState``.
 
     Every stage's values are per rank (they differ across stages), and after a
@@ -124,7 +124,7 @@ class StageRebuild:
             the rebuilt stage with a fresh optimizer).
     """
 
-    def __init__(self, world: World, stages: int, plus: bool = False, average_moments: bool = False) -> None:
+    def __init__(self, world: Group, stages: int, plus: bool = False, average_moments: bool = False) -> None:
         self.world, self.stages, self.plus, self.average_moments = world, stages, plus, average_moments
         self.copies: dict[str, dict[str, np.ndarray]] = {}  # CheckFree+: the end layer this stage keeps
 

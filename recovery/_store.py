@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import xxhash
-from elastic.comm import ConfigError, ProcessFailure, World, agreed
+from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
 from ._nodestore import NodeFiles
 from ._placement import DataLost, Layout, Piece, pieces, plan
@@ -97,7 +97,7 @@ class _Version:
 class ReplicatedStore:
     """Replicates every active rank's state in its peers' memory. Create on every active rank."""
 
-    def __init__(self, world: World, replication: int = 2, chunk_bytes: int = 1 << 20,
+    def __init__(self, world: Group, replication: int = 2, chunk_bytes: int = 1 << 20,
                  domains: Mapping[int, str] | None = None, rollback_copy: bool = True) -> None:
         """``rollback_copy=False``: keep no copy of this rank's own committed state; the caller
         promises to leave the committed arrays unchanged until the next commit (a double-buffered
@@ -129,8 +129,7 @@ class ReplicatedStore:
         if world.config.node_store and not world.alone:
             self._node = NodeFiles(world.config.node_store, int(world.logical_rank))
             self.rollback_copy = True  # the node keeps a copy of the payload whatever the caller promises
-            lifecycle = world.lifecycle
-            atexit.register(lambda: self._node.remove() if self._node and (lifecycle.finished or lifecycle.stopped)
+            atexit.register(lambda: self._node.remove() if self._node and world.ended
                             else None)  # the job is over for good: its node memory is freed
 
     # ------------------------------------------------------------ user calls
@@ -199,9 +198,8 @@ class ReplicatedStore:
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
-        relaunch = world.config.relaunch
-        if self._node is not None and relaunch is not None and world.generation == relaunch.generation \
-                and self._current is None:
+        relaunched = world.last_rebuild is not None and world.last_rebuild.mode == "relaunch"
+        if self._node is not None and relaunched and self._current is None:
             self._attach()
         statuses = world.allgather(self._status())
         numbers = {s[0] for s in statuses if s[0] is not None}
@@ -305,8 +303,9 @@ class ReplicatedStore:
         if self._node is not None:
             payload = persisted
             self._node.retire(version)
-            if world.local_rank == 0:  # every rank sealed this version: older ones of ranks gone from here go
-                self._node.prune(set(world.members.host_peers()))
+            peers = world.host_peers
+            if peers[0] == me:  # every rank sealed this version: older ones of ranks gone from here go
+                self._node.prune(set(peers))
         elif self.rollback_copy:
             payload = _pack(segments, total, old.payloads.get(me) if old else None)
         else:

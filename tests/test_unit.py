@@ -8,9 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from elastic import launch
-from elastic.comm import (
-    Config, ConfigError, CurrentRank, Injection, LogicalRank, ProcessFailure, Unrecoverable, parse_schedule,
-)
+from elastic.comm import Config, ConfigError, CurrentRank, LogicalRank, ProcessFailure, Unrecoverable
+from elastic.comm.faults import Injection, parse_schedule
 from elastic.comm import _rebuild
 from elastic.comm._errors import translate
 
@@ -148,7 +147,7 @@ def test_control_messages_round_trip_through_the_wire_format():
     import numpy as np
     import torch
 
-    from elastic.comm import Config, Decision, Injection, wire
+    from elastic.comm import Config, Decision, wire
     from elastic.comm._rebuild import Summary
     from elastic.recovery._placement import Layout
 

@@ -45,6 +45,8 @@ from typing import Callable
 from ._errors import ConfigError, ElasticError
 from .wire import message
 
+__all__ = ["Injection", "InjectedFault", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
+
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
 ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime")
