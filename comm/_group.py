@@ -20,7 +20,10 @@ from ._ranks import CurrentRank, LogicalRank, Role
 
 if TYPE_CHECKING:
     from ._rebuild import Rebuild
-    from .events import EventLog
+
+
+class EventSink(Protocol):
+    def emit(self, event: str, **fields: Any) -> None: ...
 
 
 class Group(Protocol):
@@ -63,7 +66,7 @@ class Group(Protocol):
     def fault_point(self, step: int | None, point: str = ...) -> None: ...
     def step_point(self, step: int) -> None: ...
     @property
-    def events(self) -> EventLog: ...
+    def events(self) -> EventSink: ...
 
     # ------------------------------------------------------------- the job
     @property

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -298,6 +298,12 @@ class World:
             self.comm.Revoke()
         except MPI.Exception:
             pass  # revoked by a peer already
+
+    def abort(self, kind: str, message: str) -> NoReturn:
+        """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
+        so that the others see a failure at once and recover from it. Never returns."""
+        self.lifecycle.fail(kind, message)
+        raise AssertionError("unreachable: the lifecycle kills this process")
 
     def record_result(self, **fields: Any) -> None:
         """Record the program's result (the final loss, a model's hash) in the events, where the

@@ -87,7 +87,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 try:
                     result = func(world, state, *args, **kwargs)
                 except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
-                    world.lifecycle.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
+                    world.abort("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
                 state.commit()
                 world.finish()
                 return result

@@ -19,6 +19,15 @@ Multi-rank pytest-mpi suites (``mpiexec --with-ft ulfm -n N python -m pytest
 waiting in their next collective for ever. The plugin prints the failure with
 the rank that had it and aborts the job (``MPI_Abort``), so the suite ends
 with a non-zero status instead of hanging. ``--mpi-keep-going`` turns it off.
+
+Recovery logic without processes: ``SimJob`` runs N ranks as threads over an
+in-memory fabric (no MPI, milliseconds), with the same fault schedule, store,
+``State``, ``elastic.run`` and rebuild policy::
+
+    def test_my_loop_survives_a_kill():
+        job = SimJob(4, spares=1, inject="1@3")
+        results = job.run(main)            # main(world) on every rank and each replacement
+        assert [e["mode"] for e in job.of("rebuilt")] == ["spare"]
 """
 from __future__ import annotations
 
@@ -32,7 +41,10 @@ from typing import Callable, Generator, Mapping, Sequence
 
 import pytest
 
+from elastic._sim import SimJob, SimRank
 from elastic.comm.events import read_events, read_fates, read_outcomes, read_result
+
+__all__ = ["Job", "launch", "elastic_launch", "SimJob", "SimRank"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
 

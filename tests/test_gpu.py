@@ -12,7 +12,7 @@ import torch
 import elastic
 from conftest import assert_bitwise, launch
 from elastic._handlers import copy_into, tensor_array
-from elastic.comm import Config
+from elastic.testing import SimJob
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: the GPU path (pinned copies, "
@@ -33,9 +33,6 @@ def test_a_cuda_tensor_goes_to_the_store_through_pinned_memory_and_back():
 
 @needs_gpu
 def test_a_cuda_model_optimizer_and_rng_roll_back_bitwise():
-    class _World:  # what State needs without MPI
-        size, rank, logical_rank, alone, config = 1, 0, 0, True, Config()
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)).cuda()
     optimizer = torch.optim.Adam(model.parameters())
@@ -46,7 +43,7 @@ def test_a_cuda_model_optimizer_and_rng_roll_back_bitwise():
         optimizer.step()
 
     step()
-    state = elastic.TorchState(_World(), model=model, optimizer=optimizer)
+    state = elastic.TorchState(SimJob(2).rank(0), model=model, optimizer=optimizer)
     saved = {k: np.array(v) for k, v in state._capture().items()}
     step()
     after = [p.detach().clone() for p in model.parameters()], torch.rand(3, device="cuda")

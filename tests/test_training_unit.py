@@ -17,6 +17,7 @@ from elastic._handlers import split_value as _split_value
 from elastic.comm import Outlook, RebuildContext
 from elastic.recovery import Policy
 from elastic.report import ettr, timeline, trace
+from elastic.testing import SimJob
 
 
 # ------------------------------------------------------------------ policy
@@ -163,11 +164,9 @@ def test_no_restore_path_unpickles(monkeypatch):
     optimizer, a scheduler and RNG states never calls pickle."""
     import pickle
 
-    class _World:  # what State needs without MPI: a size for the store's checks
-        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
 
     objects = _stateful_objects()
-    state = elastic.TorchState(_World(), model=objects["model"], optimizer=objects["optimizer"],
+    state = elastic.TorchState(SimJob(2).rank(0), model=objects["model"], optimizer=objects["optimizer"],
                                scheduler=objects["scheduler"], scaler=objects["scaler"], step=3)
     arrays = {k: np.array(v) for k, v in state._capture().items()}
     before = _digest({k: v for k, v in arrays.items()})
@@ -183,14 +182,12 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
     """A removed rank's values (a pipeline stage with its optimizer, a plain shard, a plain
     state_dict) come to a survivor as the same kinds: the plain ones at once, the stage held until
     ``bind`` loads it into the module and optimizer the survivor makes for it."""
-    class _World:
-        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
 
     removed = _stateful_objects()
-    owner = elastic.TorchState(_World(), modules={"s2": (removed["model"], removed["optimizer"])},
+    owner = elastic.TorchState(SimJob(2).rank(0), modules={"s2": (removed["model"], removed["optimizer"])},
                                **{"adam.3.m": np.arange(4.0), "notes": {"epoch": 2, "w": torch.ones(2)}})
     arrays = {k: np.array(v) for k, v in owner._capture().items()}
-    survivor = elastic.TorchState(_World(), model=torch.nn.Linear(3, 2), step=7)
+    survivor = elastic.TorchState(SimJob(2).rank(0), model=torch.nn.Linear(3, 2), step=7)
     mine = _digest(survivor._capture())
     survivor._apply(arrays, adopting=True)
     assert survivor.unbound() == ["s2"]
@@ -207,11 +204,9 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
 def test_a_roll_back_leaves_no_gradient_of_the_step_it_cut_short():
     """A loop that zeroes gradients after optimizer.step() adds its next backward to what is there:
     after a restore nothing may be, or the replayed step differs from the failure-free one."""
-    class _World:
-        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
 
     model = torch.nn.Linear(3, 2)
-    state = elastic.TorchState(_World(), model=model)
+    state = elastic.TorchState(SimJob(2).rank(0), model=model)
     committed = {k: np.array(v) for k, v in state._capture().items()}
     model(torch.ones(1, 3)).sum().backward()  # the step the failure cut short
     with torch.no_grad():
@@ -222,9 +217,7 @@ def test_a_roll_back_leaves_no_gradient_of_the_step_it_cut_short():
 
 
 def test_the_state_keeps_its_own_names():
-    class _World:
-        size, rank, logical_rank, alone, config = 2, 0, 0, False, Config()
-    state = elastic.TorchState(_World(), model=torch.nn.Linear(3, 2))
+    state = elastic.TorchState(SimJob(2).rank(0), model=torch.nn.Linear(3, 2))
     with pytest.raises(elastic.ConfigError, match="'rng'.*choose another"):
         state["rng"] = 1
     assert "model" not in state and list(state.names()) == []
@@ -314,13 +307,8 @@ def test_progress_lines_every_n_steps_or_seconds(caplog, monkeypatch):
     from elastic.comm import Config
     from elastic._state import StepClock
 
-    class _World:
-        rank, size, generation = 0, 4, 0
-        events = type("E", (), {"emit": staticmethod(lambda *a, **k: None)})()
-
     def lines(config: Config, steps: int, clock_step: float = 0.0) -> list[int]:
-        world = _World()
-        world.config = config
+        world = SimJob(4, config=config).rank(0)
         now = [0.0]
         monkeypatch.setattr("elastic._state.time.monotonic", lambda: now[0])
         clock, shown = StepClock(world), []

@@ -1,0 +1,94 @@
+"""The store, State, elastic.run and the rebuild policy in a simulated job (threads, no MPI): the
+combinations that would each cost a real job seconds. Every failure-table row keeps its real-kill test
+under mpiexec (CONTRIBUTING.md); these check the logic around it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import elastic
+from elastic.recovery import DataLost
+from elastic.testing import SimJob
+
+STEPS = 8
+
+
+def _main(commit_every: int = 1, replication: int = 2):
+    def main(world):
+        state = elastic.State(world, replication=replication, local=("shard",), w=np.zeros(4), step=0,
+                              **{f"shard.{int(world.logical_rank)}": np.full(3, float(world.logical_rank))})
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                g = np.full(4, float(world.logical_rank + 1) * (state.step + 1))
+                world.allreduce([g], step=state.step)
+                state.w = state.w + g / world.size
+                for name in state.names():
+                    if name.startswith("shard."):
+                        state[name] = state[name] + 1
+                state.step += 1
+                state.record_step(state.step)
+                if state.step % commit_every == 0:
+                    state.commit()
+            return {"w": state.w.tobytes().hex(),
+                    "shards": {n: state[n].tolist() for n in sorted(state.names()) if n.startswith("shard.")}}
+        return train(world, state)
+    return main
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return SimJob(4).run(_main())
+
+
+@pytest.mark.parametrize("spares, inject, modes", [
+    (1, "1@3", ["spare"]),
+    (1, "0@5", ["spare"]),                   # rank 0, the root of every broadcast
+    (2, "1@3,2@3", ["spare"]),               # two at once: with three copies, one of each still alive
+    (1, "1@3,2@6/g1", ["spare", "shrink"]),  # the spare used up: the second loss shrinks
+    (1, "2@commit4", ["spare"]),             # inside a commit: version 4 never becomes current
+    (2, "1@3,3@restore/g1", ["spare", "spare"]),  # a holder dies while sending recovery data
+])
+def test_a_lost_rank_comes_back_bitwise_from_its_peers_copies(reference, spares, inject, modes):
+    job = SimJob(4, spares=spares, inject=inject, rebuild=("spare", "shrink"))
+    got = job.run(_main(replication=3 if "," in inject else 2))
+    assert [e["mode"] for e in job.of("rebuilt")] == modes
+    if modes == ["spare"] * len(modes):
+        assert got == reference  # every rank's model and shards, bitwise the failure-free run's
+    assert len(job.of("inject")) == inject.count(",") + 1
+
+
+def test_after_a_shrink_the_survivors_adopt_the_removed_ranks_values():
+    job = SimJob(4, inject="1@3", rebuild=("shrink",))
+    got = job.run(_main())
+    assert sorted(got) == [0, 2, 3] and [e["removed"] for e in job.of("rebuilt")] == [[1]]
+    shards = {n: v for r in got for n, v in got[r]["shards"].items()}
+    # Rank 1's shard comes back as committed at step 3 (1 + 3), then goes on with its adopter.
+    assert shards == {f"shard.{r}": [float(r + STEPS)] * 3 for r in range(4)}
+    assert len({got[r]["w"] for r in got}) == 1  # the shared model the same on every survivor
+
+
+def test_losing_every_copy_of_some_state_is_data_lost_on_every_rank():
+    job = SimJob(4, spares=2, inject="1@3,2@3", rebuild=("spare",))
+    with pytest.raises(DataLost, match="logical rank 1: every chunk"):  # its one copy was on rank 2
+        job.run(_main(replication=2))
+    assert job.of("data_lost")
+
+
+def test_failures_in_a_row_without_a_commit_stop_the_job():
+    job = SimJob(4, spares=3, inject="1@3,1@3/g1", rebuild=("spare",), max_failures=1)
+    with pytest.raises(elastic.Unrecoverable, match="2 failures in a row"):
+        job.run(_main(commit_every=100))
+
+
+def test_a_policy_that_cannot_fill_the_loss_stops_every_rank():
+    job = SimJob(4, inject="1@3", rebuild=("spare",))  # no spare parked
+    with pytest.raises(elastic.Unrecoverable, match="cannot be filled"):
+        job.run(_main())
+
+
+def test_a_software_error_in_one_rank_is_that_ranks_failure():
+    job = SimJob(4, spares=1, inject="2@4:raise")
+    got = job.run(_main())
+    assert [e["mode"] for e in job.of("rebuilt")] == ["spare"] and sorted(got) == [0, 1, 2, 3]
