@@ -40,7 +40,13 @@ class UlfmUnavailable(Unrecoverable):
 
 
 class ConfigError(ElasticError, ValueError):
-    """A configuration value is wrong; the message says what to set instead."""
+    """A configuration value is wrong; the message says what to set instead. The errors below are
+    kinds of it, split by what the caller does next (``except ConfigError`` still catches them)."""
+
+
+class ProtocolError(ConfigError):
+    """A message another process sent is not one this version wrote: every process of the job must
+    run the same ulfm-elastic."""
 
 
 E = TypeVar("E", bound=BaseException)

@@ -149,7 +149,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 SIGNAL_ERRORS = ("KeyboardInterrupt",)
 # Errors that say the program itself is wrong (a setting, a value the library refuses): one rank
 # raising it stops the job with it (rc 1) instead of being recovered from as a crash.
-PROGRAMMING_ERRORS = ("ConfigError",)
+PROGRAMMING_ERRORS = ("ConfigError", "CommitRejected", "NothingCommitted", "ProtocolError")  # and its kinds
 
 
 def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) -> dict[str, Any] | None:

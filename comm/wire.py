@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from ._errors import ConfigError
+from ._errors import ConfigError, ProtocolError
 
 SCHEMA = 1
 _LEAVES = (type(None), bool, int, float, str)
@@ -132,8 +132,8 @@ def _check_schema(doc: Any) -> None:
         raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA}")
 
 
-def _foreign(what: str, exc: Exception) -> ConfigError:
-    return ConfigError(f"{what} is not one this version wrote ({exc}): was the job started with another "
+def _foreign(what: str, exc: Exception) -> ProtocolError:
+    return ProtocolError(f"{what} is not one this version wrote ({exc}): was the job started with another "
                        "ulfm-elastic?")
 
 

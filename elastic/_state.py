@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
-from elastic.recovery import ReplicatedStore, checksum
+from elastic.recovery import CommitRejected, NothingCommitted, ReplicatedStore, checksum
 from elastic.recovery._store import Adopt
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
@@ -169,7 +169,7 @@ class State:
         rank took over after a shrink get handlers here, unless it has values of the same name (its
         own win)."""
         if self.version is None:
-            raise ConfigError("nothing committed yet: elastic.run commits once before calling your function")
+            raise NothingCommitted("nothing committed yet: elastic.run commits once before calling your function")
         for owner in self._store.owners_here():
             if owner != int(self._world.logical_rank):
                 self._apply(self._store.restore_owner(owner), adopting=True)
@@ -273,7 +273,7 @@ class State:
             listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
                                for n, r in list(bad.items())[:5])
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise agreed(ConfigError(
+            raise agreed(CommitRejected(
                 f"commit rejected, the last version is kept: state that must be equal across ranks differs: "
                 f"{listed}{more}. Keep replicas in step (same seed, same all-reduced gradients), or name per-rank "
                 "values in local=(...)"), final=False)

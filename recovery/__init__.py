@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from elastic.comm._lazy import lazy_exports
 
+from ._errors import CommitRejected, NothingCommitted
 from ._checkfree import LR_BOOST, StageRecovery, checkfree_average, plan_stage_recovery, replica_holders
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
@@ -24,5 +25,6 @@ __getattr__, __dir__ = lazy_exports(globals(), {
     "ReplicatedStore": "._store", "checksum": "._store",
 })
 
-__all__ = ["ReplicatedStore", "DataLost", "Chunk", "place_replicas", "plan_transfers", "Policy",
-           "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average", "replica_holders", "LR_BOOST"]
+__all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
+           "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average",
+           "replica_holders", "LR_BOOST"]

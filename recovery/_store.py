@@ -46,6 +46,8 @@ import numpy as np
 import xxhash
 from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
+from ._errors import CommitRejected, NothingCommitted
+
 from ._nodestore import NodeFiles
 from ._placement import DataLost, Layout, Piece, pieces, plan
 
@@ -157,7 +159,7 @@ class ReplicatedStore:
     def restore_owner(self, owner: int) -> dict[str, np.ndarray]:
         """The state of logical rank ``owner`` held whole here (local; read-only views, as ``restore``)."""
         if self._current is None:
-            raise ConfigError("nothing committed yet: call commit() before restore()")
+            raise NothingCommitted("nothing committed yet: call commit() before restore()")
         out: dict[str, np.ndarray] = {}
         for payload in self._current.payloads.values():
             out.update(_fields_of(payload, owner))
@@ -328,8 +330,8 @@ class ReplicatedStore:
         ranks = [int(r) for r in world.logical_ranks]
         problems = [f"logical rank {r}: {p}" for r, (_, p) in zip(ranks, reports) if p]
         if problems:
-            raise agreed(ConfigError("commit rejected, nothing was replaced: " + "; ".join(problems)), final=False)
-        raise agreed(ConfigError(f"commit version differs across ranks: {sorted({v for v, _ in reports})}; every "
+            raise agreed(CommitRejected("commit rejected, nothing was replaced: " + "; ".join(problems)), final=False)
+        raise agreed(CommitRejected(f"commit version differs across ranks: {sorted({v for v, _ in reports})}; every "
                                  "rank must commit the same version together"), final=False)
 
     def _active_layout(self) -> Layout:

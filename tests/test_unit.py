@@ -216,3 +216,16 @@ def test_every_event_written_or_read_is_in_the_schema():
     reads |= found(("elastic",), r'\bkind\s*==\s*"([a-z_]+)"') - {"numpy", "python"}  # the report's; handlers' kinds
     reads |= found(("tests",), r'\.of\("([a-z_]+)"\)')
     assert reads and reads <= set(EVENTS) | programs, sorted(reads - set(EVENTS) - programs)
+
+
+def test_the_errors_kinds_say_what_to_do_next_and_are_all_programming_errors():
+    """A refused commit, a restore before any commit and a foreign message are kinds of ConfigError (old
+    handlers still catch them), and one rank dying of any of them stops the job as a programming error."""
+    from elastic.comm.events import PROGRAMMING_ERRORS, describe_end
+    from elastic.comm.wire import ProtocolError
+    from elastic.recovery import CommitRejected, NothingCommitted
+    for kind in (CommitRejected, NothingCommitted, ProtocolError):
+        assert issubclass(kind, ConfigError)
+        end = describe_end({"status": "failed", "kind": kind.__name__, "message": "m", "step": 3}, None)
+        assert end is not None and end["programming"], kind
+    assert set(PROGRAMMING_ERRORS) == {"ConfigError", "CommitRejected", "NothingCommitted", "ProtocolError"}
