@@ -43,8 +43,9 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         ConfigError: a setting is wrong.
     """
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
-    if not MPI.Is_initialized():  # a tool module imported first told mpi4py not to initialize
+    if not MPI.Is_initialized():  # a tool's main() told mpi4py not to initialize
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    WATCHDOG.start()  # from here on a stopped or frozen process is found by its sentinel
     _log.setup(config.log_level)
     alone = _started_alone()
     check_ulfm(config.require_ulfm if config.require_ulfm is not None else not alone)

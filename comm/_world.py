@@ -37,10 +37,9 @@ from ._ranks import CurrentRank, LogicalRank, Role
 from ._rebuild import Generation, Rebuild, Rebuilder, stop_a_programming_error, stop_a_repeated_error
 from ._watchdog import Watchdog
 
-# The heartbeat starts with MPI: from here on a stopped or frozen process is found by its sentinel.
+# One per process (the sentinel's page); its heartbeat starts with the join (``init``).
 WATCHDOG = Watchdog.from_env()
 _T = TypeVar("_T")
-WATCHDOG.start()
 
 
 class World:

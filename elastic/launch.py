@@ -61,7 +61,6 @@ _NOISE = b"NBC_Progress: an error"
 # PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
 _LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
 
-keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here
 
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
@@ -552,6 +551,7 @@ def _pids(run_dir: Path) -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_mpi_uninitialized()  # a tool: nothing it reads starts MPI here (importing this module changes nothing)
     args = parse_args(argv)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [p for pattern in ("outcome-*.json", "events-*.jsonl", "fate-*.json", "summary.json")

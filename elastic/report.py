@@ -31,7 +31,6 @@ from typing import Any
 from elastic.comm.events import read_events
 from elastic.comm._lazy import keep_mpi_uninitialized
 
-keep_mpi_uninitialized()  # a tool: reading a run's files never starts MPI here
 
 
 def final_steps(events: list[dict]) -> dict[int, dict]:
@@ -242,6 +241,7 @@ def plot(run_dir: Path, out: Path, baseline: Path | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_mpi_uninitialized()  # a tool: nothing it reads starts MPI here (importing this module changes nothing)
     parser = argparse.ArgumentParser(prog="python -m elastic.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--baseline", type=Path, help="a failure-free run of the same job, for comparison")
