@@ -31,6 +31,7 @@ from elastic.comm import (
     Config, ConfigError, CurrentRank, Group, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Role,
     Unrecoverable, agreed, wire,
 )
+from elastic.comm._errors import is_agreed
 from elastic.comm.faults import InjectedFault, parse_schedule
 from elastic.recovery import Policy
 
@@ -98,6 +99,8 @@ class SimJob:
         Returns what each logical rank's last process returned. Raises the agreed error
         that stopped every rank (``DataLost``, ``Unrecoverable``, ...), or ``AssertionError``
         when a rank failed alone and nobody recovered from it, or the job hung."""
+        if self._program is not None:
+            raise ConfigError("a SimJob runs once: make another for the next run")
         self._program, self._deadline = program, time.monotonic() + self.timeout
         for r in range(self.initial_size):
             self._start(SimRank(self, r, Role.INITIAL))
@@ -131,7 +134,7 @@ class SimJob:
         except _Killed:
             return
         except BaseException as exc:  # noqa: B036 (a rank's end, whatever it is, is recorded)
-            if _is_agreed(exc):
+            if is_agreed(exc):
                 with self._cv:
                     self._errors.append((rank.logical, exc))
             else:  # an error in one rank only: that rank fails, as in a real job, and the others recover
@@ -194,24 +197,26 @@ class SimJob:
         live = [r for r in f.active if r not in f.dead]
         decision = self.policy.decide(RebuildContext(len(lost), f.spares, len(live), outlook))
         replaced: list[int] = []
-        pending = list(lost)
+        pending, used = list(lost), []
         for mode in decision.modes:
-            if mode in ("spare", "spawn"):
-                take = pending if mode == "spawn" else pending[:f.spares]
-                f.spares -= len(take) if mode == "spare" else 0
+            take = pending if mode in ("spawn", "shrink") else pending[:f.spares] if mode == "spare" else []
+            if not take:
+                continue
+            used.append(mode)
+            if mode == "spare":
+                f.spares -= len(take)
+            if mode != "shrink":
                 replaced += take
-                pending = [r for r in pending if r not in take]
-            elif mode == "shrink":
-                pending = []
+            pending = [r for r in pending if r not in take]
         streak = f.streak + 1
         f.generation += 1
         f.active = sorted(live + replaced)
         f.dead, f.arrived, f.slots, f.readers = set(), set(), {}, {}
         f.streak = streak
-        if not decision.modes or not f.active:
-            self._stop = agreed(Unrecoverable(f"logical ranks {lost} were lost and cannot be filled: "
+        if pending or not f.active:  # the same stop as the real rebuild's, on every rank
+            self._stop = agreed(Unrecoverable(f"logical ranks {pending or lost} were lost and cannot be filled: "
                                               f"{decision.reason}"))
-        f.rebuild = Rebuild(f.generation, "+".join(decision.modes) or "none", frozenset(map(LogicalRank, lost)),
+        f.rebuild = Rebuild(f.generation, "+".join(used) or "none", frozenset(map(LogicalRank, lost)),
                             frozenset(map(LogicalRank, replaced)),
                             frozenset(map(LogicalRank, set(lost) - set(replaced))), 0, 1, {}, (), streak)
         self.events.append({"event": "rebuilt", "gen": f.generation, "mode": f.rebuild.mode, "failed": lost,
@@ -219,11 +224,6 @@ class SimJob:
         for r in replaced:
             self._start(SimRank(self, r, Role.RECOVERED))
         self._cv.notify_all()
-
-
-def _is_agreed(exc: BaseException) -> bool:
-    from elastic.comm._errors import is_agreed
-    return is_agreed(exc)
 
 
 class _Events:
