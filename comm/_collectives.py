@@ -7,13 +7,44 @@ them votes (the callers' protocols do, where they decide something together).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import wire
-from ._errors import Unrecoverable
+from ._errors import ProcessFailure, Unrecoverable
+
+REVOKED_GRACE_SECONDS = 1.0  # an agreement still pending this long after its communicator's revoke is given up
+_abandoned: list[tuple[MPI.Request, np.ndarray]] = []  # given-up agreements: MPI may still write their flag
+
+
+def agree(comm: MPI.Intracomm, flag: int) -> int:
+    """The bitwise AND of every live rank's ``flag`` (collective, ULFM agreement), or
+    ``ProcessFailure`` once ``comm`` is revoked and the agreement cannot complete.
+
+    ULFM's agreement goes on through a revoke: it is how survivors agree on a revoked
+    communicator. But a rank whose data-plane call failed where its peers' succeeded (a rank
+    that died in the middle of an all-reduce can leave it so) goes straight to the rebuild: it
+    revokes ``comm`` and waits on the universe, and never joins the agreement its peers go on
+    into. A blocking ``Agree`` would wait for it for ever (the hang the external punisher found
+    once in 100 runs). So the agreement is posted non-blocking and polled; still pending
+    ``REVOKED_GRACE_SECONDS`` after the revoke (a peer that took part, and revoked on its way
+    to the rebuild after it completed, is matched long before), it is given up, and this rank
+    joins the rebuild too. The request and its buffer are kept: the communicator is never freed.
+    """
+    buffer = np.array([flag], dtype=np.intc)
+    request = comm.Iagree(buffer)
+    revoked_at: float | None = None
+    while not request.Test():
+        if revoked_at is None:
+            if comm.Is_revoked():
+                revoked_at = time.monotonic()
+        elif time.monotonic() - revoked_at > REVOKED_GRACE_SECONDS:
+            _abandoned.append((request, buffer))
+            raise ProcessFailure("a peer began a recovery instead of this agreement (the communicator is revoked)")
+    return int(buffer[0])
 
 
 def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming: Sequence[list[np.ndarray]],

@@ -5,7 +5,10 @@ spawned processes too): shrink (which agrees on the dead), fence them, fill the
 gaps (spare / spawn / shrink, as the policy decides), install the new
 communicators, then a vote. The vote (ULFM Agree) succeeds everywhere or fails
 everywhere, so every process either leaves or starts another round on the
-newest communicator; a failure during the rebuild costs one more round.
+newest communicator; a failure during the rebuild costs one more round. A
+process that starts another round revokes the universe first; a vote still
+waiting on it is then given up (``_collectives.agree``), so nobody waits in a
+vote for a process gone to the next round's shrink.
 Decisions that stop the job are raised only after a vote as well.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Iterable, Protocol, cast
 
 from mpi4py import MPI
 
-from ._collectives import allgather, bcast
+from ._collectives import agree, allgather, bcast
 from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
 from ._config import Config
 from .events import EventLog, read_cause
@@ -144,7 +147,7 @@ class Rebuilder:
                 join = False
                 t = time.perf_counter()
                 summary = self._install(members, done)
-                if not members.comm.Agree(int(summary is not None)):
+                if not agree(members.comm, int(summary is not None)):
                     raise ProcessFailure("a process could not install the rebuilt communicator")
                 self._timed("install", t)
                 break
@@ -288,7 +291,7 @@ class Rebuilder:
         A vote first: if a process failed on the way here, every process goes
         round again instead, so that no process stops while another rebuilds.
         """
-        if not members.comm.Agree(1):
+        if not agree(members.comm, 1):
             raise ProcessFailure("a process could not reach the decision")
         self.members = members  # leaving together needs the communicator everyone shares now
         raise agreed(Unrecoverable(message))
@@ -317,8 +320,8 @@ class Rebuilder:
         world.fire(members, "spawn")
         # A vote before the merge: Open MPI's Merge spins for ever when a parent is dead.
         try:
-            everyone = members.comm.Agree(int(inter is not None))
-        except MPI.Exception:
+            everyone = agree(members.comm, int(inter is not None))
+        except (MPI.Exception, ProcessFailure):
             _abandon(inter)
             raise
         if not everyone:
@@ -346,13 +349,13 @@ class Rebuilder:
         world = self.world
         self.members = members
         try:
-            if not members.comm.Agree(1):  # nobody died since: Split must not meet a dead member (it can spin)
+            if not agree(members.comm, 1):  # nobody died since: Split must not meet a dead member (it can spin)
                 return None
             self.comm = split_actives(members)
             members.procs = allgather(members.comm, (socket.gethostname(), os.getpid()))
             shared: Summary = bcast(members.comm, done, 0)
             return shared
-        except MPI.Exception as exc:
+        except (MPI.Exception, ProcessFailure) as exc:
             world.events.emit("install_failed", error=str(exc))
             return None
 

@@ -221,7 +221,7 @@ class World:
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:
         """Returns on every active rank or raises ``ProcessFailure`` on every one (collective, ULFM Agree)."""
         with self.guard():
-            if not self.comm.Agree(int(ok)):
+            if not _collectives.agree(self.comm, int(ok)):
                 raise ProcessFailure(why)
 
     def agree_equal(self, value: int, ok: bool = True) -> bool:
@@ -229,8 +229,9 @@ class World:
         ``ok``; False on every one otherwise (collective, three ULFM Agrees: O(log n), no table)."""
         low, mask = value & 0x3FFFFFFF, 0x3FFFFFFF
         with self.guard():
-            same = self.comm.Agree(low) == low and self.comm.Agree(~low & mask) == ~low & mask
-            return bool(self.comm.Agree(int(same and ok)))
+            same = _collectives.agree(self.comm, low) == low and \
+                _collectives.agree(self.comm, ~low & mask) == ~low & mask
+            return bool(_collectives.agree(self.comm, int(same and ok)))
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every active rank's ``obj`` in current-rank order, or ``ProcessFailure`` everywhere (collective)."""
@@ -345,7 +346,7 @@ class World:
         self.fault_point(None, "finish")
         # One Agree: every rank is here (bit 0), and whether no rank ever told a step (bit 1).
         with self.guard():
-            told = self.comm.Agree(1 | (int(self.step is None) << 1))
+            told = _collectives.agree(self.comm, 1 | (int(self.step is None) << 1))
         if told & 2 and self._faults.wants_steps():
             raise agreed(ConfigError(
                 f"the fault schedule {[e.to_dict() for e in self._faults.schedule]} never fired: this program "
