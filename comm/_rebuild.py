@@ -119,8 +119,8 @@ class Summary:
 class Rebuilder:
     """Runs one rebuild for ``world`` (every method collective over the round's universe).
 
-    ``members`` follows the rounds: after an agreed stop it is the universe every live
-    process shares, the one to leave together on."""
+    The rounds change ``members`` in place: after an agreed stop it is the universe every
+    live process shares, the one to leave together on."""
 
     def __init__(self, world: RebuildHost, outlook: Outlook, members: Members) -> None:
         self.world = world
@@ -293,7 +293,6 @@ class Rebuilder:
         """
         if not agree(members.comm, 1):
             raise ProcessFailure("a process could not reach the decision")
-        self.members = members  # leaving together needs the communicator everyone shares now
         raise agreed(Unrecoverable(message))
 
     # ------------------------------------------------------------------ spawn
@@ -347,7 +346,6 @@ class Rebuilder:
         finish; the caller's vote makes that uniform.
         """
         world = self.world
-        self.members = members
         try:
             if not agree(members.comm, 1):  # nobody died since: Split must not meet a dead member (it can spin)
                 return None
@@ -437,7 +435,7 @@ def _fence(events: EventLog, dead: Iterable[int], members: Members) -> None:
             try:
                 os.kill(proc[1], signal.SIGKILL)
                 events.emit("fenced", victim_pid=proc[1], victim_host=proc[0],
-                                  victim_logical=None if members.table[u] == SPARE else members.table[u])
+                            victim_logical=None if members.table[u] == SPARE else members.table[u])
             except (ProcessLookupError, PermissionError):
                 pass
 

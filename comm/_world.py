@@ -26,14 +26,12 @@ from mpi4py import MPI
 from . import _collectives, _spares
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
-from ._group import Group
 from .events import EventLog
 from .faults import FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members
-from ._ranks import SPARE
 from ._policy import Outlook, RebuildPolicy
-from ._ranks import CurrentRank, LogicalRank, Role
+from ._ranks import SPARE, CurrentRank, LogicalRank, Role
 from ._rebuild import Generation, Rebuild, Rebuilder, stop_a_programming_error, stop_a_repeated_error
 from ._watchdog import Watchdog
 
@@ -445,5 +443,7 @@ class World:
 
 
 if TYPE_CHECKING:
+    from ._group import Group
+
     def _keeps_the_contract(world: World) -> Group:  # mypy checks that World implements Group
         return world

@@ -62,7 +62,6 @@ _NOISE = b"NBC_Progress: an error"
 _LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
 
 
-
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
     """Pair Slurm's expanded node list with SLURM_TASKS_PER_NODE (e.g. '2(x3),1') (local)."""
     counts: list[int] = []

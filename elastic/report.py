@@ -32,7 +32,6 @@ from elastic.comm.events import read_events
 from elastic.comm._lazy import keep_mpi_uninitialized
 
 
-
 def final_steps(events: list[dict]) -> dict[int, dict]:
     """Each step's last recorded execution (steps redone after a roll-back replace the lost ones)."""
     steps: dict[int, dict] = {}

@@ -70,10 +70,10 @@ def plan_stage_recovery(stages: int, lost: set[int], replicas: Mapping[int, set[
         live = sorted(set(replicas.get(s, ())) - lost)
         if live:
             plan[s] = StageRecovery(s, "replica", (live[0],))
-    # A stage rebuilt from a replica can serve its neighbours' CheckFree: repeat until nothing moves.
     def whole(t: int) -> bool:
         return t not in lost or t in plan
 
+    # A stage rebuilt from a replica can serve its neighbours' CheckFree: repeat until nothing moves.
     progress = True
     while progress:
         progress = False

@@ -47,7 +47,6 @@ import xxhash
 from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
 from ._errors import CommitRejected, NothingCommitted
-
 from ._nodestore import NodeFiles
 from ._placement import DataLost, Layout, Piece, pieces, plan
 
