@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from ._config import Config
 from ._errors import ConfigError, ElasticError, ProcessFailure, UlfmUnavailable, Unrecoverable, agreed
-from ._group import Group
+from ._group import Group, Settings
 from ._lazy import lazy_exports
 from ._lifecycle import Lifecycle as _Lifecycle  # noqa: F401  (registers the exit path early: see there)
-from ._policy import Decision, FixedOrder, Outlook, RebuildContext, RebuildPolicy
+from ._policy import Decision, FixedOrder as FixedOrder, Outlook, RebuildContext, RebuildPolicy
 from ._ranks import CurrentRank, LogicalRank, Role
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ __getattr__, __dir__ = lazy_exports(globals(), {
 # schedules through ``elastic.comm.faults`` (parse_schedule, Injection).
 __all__ = [
     "init", "World", "Rebuild", "Config", "Role", "LogicalRank", "CurrentRank",
-    "RebuildPolicy", "RebuildContext", "Decision", "FixedOrder", "Outlook",
-    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "agreed", "Group",
+    "RebuildPolicy", "RebuildContext", "Decision", "Outlook",
+    "ElasticError", "ProcessFailure", "Unrecoverable", "UlfmUnavailable", "ConfigError", "agreed", "Group", "Settings",
 ]
+# Importable, not starred: FixedOrder (the low-level init's default policy; elastic.init uses elastic.recovery.Policy).

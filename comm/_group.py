@@ -6,11 +6,13 @@ calls (the outcome is the same on every active rank, or ``ProcessFailure``
 everywhere), the data plane, fault points and the event log, and the few facts
 of the job the state layer needs (was anything committed, is the job over).
 ``World`` implements it; anything that does (a simulated job in a test) can
-stand in for it. Membership tables, the lifecycle and the communicators stay
-behind it.
+stand in for it. Membership tables, the lifecycle, the communicators and the
+rest of the configuration stay behind it: of the settings, the layers above see
+``Settings``, the few they act on.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
@@ -20,6 +22,23 @@ from ._ranks import CurrentRank, LogicalRank, Role
 
 if TYPE_CHECKING:
     from ._rebuild import Rebuild
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings the layers above comm act on (``Config``'s fields of the same names)."""
+
+    max_failures: int = 3              # failures in a row without a commit before ``run`` stops
+    progress_every: int = 10           # the progress line: every that many steps (0: not by steps)
+    progress_seconds: float = 0.0      # ... and/or seconds (0: not by time)
+    node_store: str = ""               # the store keeps its versions in node memory here (tier 2; "": off)
+    domains: tuple[str, ...] = ()      # failure domain of each logical rank (round robin) instead of the hosts
+    faults_scheduled: bool = False     # a fault schedule is set: fault points inside torch's collectives too
+
+    @classmethod
+    def of(cls, config: Config) -> Settings:
+        return cls(config.max_failures, config.progress_every, config.progress_seconds, config.node_store or "",
+                   config.domains, bool(config.inject))
 
 
 class EventSink(Protocol):
@@ -70,7 +89,7 @@ class Group(Protocol):
 
     # ------------------------------------------------------------- the job
     @property
-    def config(self) -> Config: ...
+    def settings(self) -> Settings: ...
     @property
     def alone(self) -> bool: ...
     @property

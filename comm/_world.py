@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from . import _collectives, _spares
 from ._config import Config
+from ._group import Settings
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from .events import EventLog
 from .faults import FaultInjector, Injection
@@ -47,6 +48,7 @@ class World:
                  history: set[tuple[str, Any]] | None = None, step: int | None = None, alone: bool = False) -> None:
         self._now = generation                # changed by adopt() only: a join's, then each rebuild's
         self.config, self.policy, self.initial_size = config, policy, initial_size
+        self.settings = Settings.of(config)  # what the layers above act on
         self.step = step                      # the loop's last step, as told by fault_point / progress
         self._own_step_points = False         # the program calls fault_point(step) itself
         # A replacement (spawned or relaunched) exists because of a failure.

@@ -113,6 +113,22 @@ def decode(buffer: np.ndarray) -> Any:
         raise _foreign("a message from a peer", exc) from None
 
 
+def encoded_size(buffer: np.ndarray) -> int:
+    """Bytes that the message ``encode`` wrote at the start of ``buffer`` takes (local).
+
+    Raises:
+        ConfigError: the buffer does not start with one.
+    """
+    try:
+        length = int.from_bytes(buffer[:8].tobytes(), "little")
+        doc = json.loads(buffer[8:8 + length].tobytes())
+        _check_schema(doc)
+        end = max((offset + nbytes for _, _, _, offset, nbytes in doc["arrays"]), default=0)
+        return -(-(8 + length) // _ALIGN) * _ALIGN + int(end)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _foreign("a message from a peer", exc) from None
+
+
 def is_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "detach")
 

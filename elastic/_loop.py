@@ -70,7 +70,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
-        limit = world.config.max_failures if max_failures is None else max_failures
+        limit = world.settings.max_failures if max_failures is None else max_failures
         reset = world.role is Role.RECOVERED
         while True:
             try:

@@ -29,7 +29,7 @@ import numpy as np
 
 from elastic.comm import (
     Config, ConfigError, CurrentRank, Group, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Role,
-    Unrecoverable, agreed, wire,
+    Settings, Unrecoverable, agreed, wire,
 )
 from elastic.comm._errors import is_agreed
 from elastic.comm.faults import InjectedFault, parse_schedule
@@ -77,6 +77,7 @@ class SimJob:
         config = (config or Config()).replace(inject=parse_schedule(inject), spares=spares, **settings)
         self.config, self.initial_size, self.timeout = config, n, timeout
         self.policy = Policy.from_config(config)
+        self.settings = Settings.of(config)
         self.events: list[dict[str, Any]] = []
         self._cv = threading.Condition()
         self._fabric = _Fabric(active=list(range(n)), spares=spares)
@@ -255,8 +256,8 @@ class SimRank:
 
     # ------------------------------------------------------------------ identity
     @property
-    def config(self) -> Config:
-        return self._job.config
+    def settings(self) -> Settings:
+        return self._job.settings
 
     @property
     def generation(self) -> int:
@@ -366,7 +367,7 @@ class SimRank:
     def fault_point(self, step: int | None, point: str = "step") -> None:
         if point == "step":
             self.step = step
-        for entry in self.config.inject:
+        for entry in self._job.config.inject:
             key = (entry, self.generation)
             if (entry.point == point and entry.rank == self.logical and entry.gen == self.generation
                     and (entry.step is None or entry.step == step) and key not in self._job._fired):

@@ -64,7 +64,7 @@ class StepClock:
                           world.size, world.generation)
 
     def _due(self, step: int, total: int | None) -> bool:
-        config, now = self._world.config, time.monotonic()
+        config, now = self._world.settings, time.monotonic()
         due = step == total or bool(config.progress_every and step % config.progress_every == 0) or \
             bool(config.progress_seconds and now - self._shown >= config.progress_seconds)
         if due:

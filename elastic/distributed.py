@@ -130,7 +130,7 @@ class DistributedDataParallel:
             self._ddp = None  # its reducer belongs to the old group
             group = self._pg.group
             self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._options)
-            if self._world.config.inject:  # the launcher's R@cS faults fire inside DDP's all-reduce
+            if self._world.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
                 self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
         return self._ddp(*args, **kwargs)
 

@@ -25,18 +25,16 @@ Memory per rank, replication 2: the roll-back payload and the copies held for
 others (2x the state, beside the state itself: 3x) between commits; during a
 commit the new copies sit beside the old ones (4x).
 
-Tier 2 (``Config.node_store``, see ``_nodestore``): the roll-back payload and
-the copies live in files in node memory instead (same memory, no extra copy),
-always with a roll-back copy; the checksums are then taken before the vote,
-where the manifest that a relaunch reads needs them. A relaunched job attaches
-them (``recover`` on its first generation) and agrees on the newest version
-that the surviving nodes hold whole.
+Where the versions live is a ``Backing`` (``_backing``): in the process, with
+or without a roll-back copy, or, tier 2 (``Config.node_store``), in files in
+node memory (same memory, no extra copy), always with a roll-back copy and
+with the checksums taken before the vote, where the manifest that a relaunch
+reads needs them. A relaunched job attaches them (``recover`` on its first
+generation) and agrees on the newest version that the surviving nodes hold whole.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
 import socket
 import threading
 import time
@@ -44,18 +42,15 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import xxhash
-from elastic.comm import ConfigError, Group, ProcessFailure, agreed
+from elastic.comm import ConfigError, Group, ProcessFailure, agreed, wire
 
+from ._backing import Backing, Found, Payload, backing
 from ._errors import CommitRejected, NothingCommitted
-from ._nodestore import NodeFiles
 from ._placement import DataLost, Layout, Piece, pieces, plan
 
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
 Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
 _ALIGN = 64  # the header is padded so that the fields start aligned
-# A payload: one byte array (header, then the fields), or the same as a list of arrays (the header,
-# then each field where the caller keeps it: a store without a roll-back copy).
-Payload = np.ndarray | list[np.ndarray]
 
 
 def checksum(data: np.ndarray) -> int:
@@ -118,20 +113,14 @@ class ReplicatedStore:
         self.replication = replication
         self.chunk_bytes = chunk_bytes
         self._domains = dict(domains) if domains is not None else None
-        self.rollback_copy = rollback_copy
-        self._spare: np.ndarray | None = None  # rollback_copy=False: the retired version's copies' buffer
         self._current: _Version | None = None
         self._layout: tuple[int, Layout] | None = None  # (generation, layout) of the active ranks
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
-        self._node: NodeFiles | None = None  # tier 2: the versions in node memory
-        if world.config.node_store and not world.alone:
-            self._node = NodeFiles(world.config.node_store, int(world.logical_rank))
-            self.rollback_copy = True  # the node keeps a copy of the payload whatever the caller promises
-            atexit.register(lambda: self._node.remove() if self._node and world.ended
-                            else None)  # the job is over for good: its node memory is freed
+        self._backing: Backing = backing("" if world.alone else world.settings.node_store, int(world.logical_rank),
+                                         rollback_copy, lambda: world.ended)
 
     # ------------------------------------------------------------ user calls
     @property
@@ -200,7 +189,7 @@ class ReplicatedStore:
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
         relaunched = world.last_rebuild is not None and world.last_rebuild.mode == "relaunch"
-        if self._node is not None and relaunched and self._current is None:
+        if relaunched and self._current is None:
             self._attach()
         statuses = world.allgather(self._status())
         numbers = {s[0] for s in statuses if s[0] is not None}
@@ -269,7 +258,7 @@ class ReplicatedStore:
             # The copies arrive, in current-rank order, in one buffer: a view of it per piece.
             spans = [(int(world.logical_ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
                      for r, got in enumerate(told) for copy, first, count, size in got or []]
-            buffer = self._receive_buffer(sum(span[-1] for span in spans), version)
+            buffer = self._backing.receive_buffer(sum(span[-1] for span in spans), version)
             held: dict[tuple[int, int, int], _Held] = {}
             incoming: dict[int, list[np.ndarray]] = {}
             sizes, offset = {me: total}, 0
@@ -282,12 +271,13 @@ class ReplicatedStore:
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()
-            if self._node is not None:  # the manifest needs the sums: taken here, then everything sealed
+            if self._backing.checksums_first:
                 for h in held.values():
                     h.sums = self._sums(h.data)
-                persisted = self._persist(version, layout, segments, total, sizes, held, buffer)
             else:
                 self._hash_later(held)  # the holder checks what it keeps, off everyone's path
+            self._backing.stage(version, segments, total, lambda payload: self._manifest(
+                layout, sizes, payload, held, buffer))
             t3 = time.perf_counter()
         except ProcessFailure as exc:
             error = exc
@@ -295,22 +285,12 @@ class ReplicatedStore:
         try:
             self._vote(error is None)
         except ProcessFailure:
-            if self._node is not None:
-                self._node.retire(self.version)  # this version's files: never voted
+            self._backing.abandon(self.version)
             raise
         t4 = time.perf_counter()
         old = self._current
-        payload: Payload
-        if self._node is not None:
-            payload = persisted
-            self._node.retire(version)
-            peers = world.host_peers
-            if peers[0] == me:  # every rank sealed this version: older ones of ranks gone from here go
-                self._node.prune(set(peers))
-        elif self.rollback_copy:
-            payload = _pack(segments, total, old.payloads.get(me) if old else None)
-        else:
-            payload, self._spare = segments, old.buffer if old else None
+        payload = self._backing.keep(version, segments, total, old.payloads.get(me) if old else None,
+                                     old.buffer if old else None, world.host_peers)
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
         world.note_commit()
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
@@ -340,8 +320,8 @@ class ReplicatedStore:
             ranks = [int(r) for r in world.logical_ranks]
             if self._domains is not None:
                 domain_of = {r: self._domains[r] for r in ranks}
-            elif world.config.domains:
-                names = world.config.domains
+            elif world.settings.domains:
+                names = world.settings.domains
                 domain_of = {r: names[r % len(names)] for r in ranks}
             else:
                 domain_of = dict(zip(ranks, world.allgather(socket.gethostname())))
@@ -349,40 +329,24 @@ class ReplicatedStore:
         return self._layout[1]
 
     # -------------------------------------------------------------- tier 2
-    def _persist(self, version: int, layout: Layout, segments: list[np.ndarray], total: int,
-                 sizes: Mapping[int, int], held: Mapping[tuple[int, int, int], _Held],
-                 buffer: np.ndarray) -> np.ndarray:
-        """Before the vote: this rank's payload in node memory, and the manifest of the version
-        (local). Returns the payload (the roll-back copy)."""
-        assert self._node is not None
-        payload = _pack(segments, total, self._node.create(version, "own", total))
-        self._node.seal(version, {
+    def _manifest(self, layout: Layout, sizes: Mapping[int, int], payload: np.ndarray,
+                  held: Mapping[tuple[int, int, int], _Held], buffer: np.ndarray) -> dict[str, Any]:
+        """What a relaunch needs to find a version again and check it (local; the copies' sums taken)."""
+        return {
             "owner": int(self.world.logical_rank), "chunk_bytes": self.chunk_bytes, "replication": self.replication,
             "domains": [list(d) for d in layout.domains], "sizes": {str(o): n for o, n in sizes.items()},
-            "own": {"nbytes": total, "sums": self._sums(payload)},
+            "own": {"nbytes": int(payload.nbytes), "sums": self._sums(payload)},
             "held": {"nbytes": int(buffer.nbytes), "pieces": [
                 [h.piece.owner, h.piece.copy, h.piece.first, h.piece.count, h.offset, int(h.data.nbytes), h.sums]
-                for h in held.values()]}})
-        return payload
+                for h in held.values()]}}
 
     def _attach(self) -> None:
         """A relaunch: take this rank's versions up from its node's memory, agree with the others on
         the newest one that the live nodes hold whole, and keep that one (collective over the
         active ranks). When none is whole, the newest is kept: the recovery then names what is lost."""
-        assert self._node is not None
         world = self.world
-        me = int(world.logical_rank)
-        offers: dict[int, tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]] = {}
-        for doc in self._node.manifests():
-            try:
-                if (doc["owner"], doc["chunk_bytes"], doc["replication"]) != (me, self.chunk_bytes, self.replication):
-                    continue
-                own = self._node.open(doc["version"], "own", doc["own"]["nbytes"])
-                if own is not None and self._sums(own) != doc["own"]["sums"]:
-                    own = None  # damaged, or written by something else: not this version's payload
-                offers[doc["version"]] = doc, own, self._node.open(doc["version"], "held", doc["held"]["nbytes"])
-            except (KeyError, TypeError, ValueError):
-                continue  # not a manifest this store wrote
+        offers: dict[int, Found] = self._backing.found(int(world.logical_rank), self.chunk_bytes, self.replication,
+                                                       self._sums)
         # What each rank holds, without the layout (O(ranks) each): it is sent once per version looked at.
         summary = {v: ({int(o): int(n) for o, n in doc["sizes"].items()}, own is not None, buffer is not None)
                    for v, (doc, own, buffer) in offers.items()}
@@ -498,16 +462,6 @@ class ReplicatedStore:
             self._hashing = None
 
     # -------------------------------------------------------------- moving bytes
-    def _receive_buffer(self, nbytes: int, version: int) -> np.ndarray:
-        """Where a commit's copies land: the retired version's buffer when it fits, else fresh memory
-        (in node memory with tier 2)."""
-        if self._node is not None:
-            return self._node.create(version, "held", nbytes)
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.nbytes == nbytes:
-            return spare
-        return np.empty(nbytes, np.uint8)
-
     def _vote(self, ok: bool) -> None:
         """Uniform decision over the active ranks: returns on all or raises ProcessFailure on all."""
         self.world.vote(ok, "a rank could not finish its part of the transfer")
@@ -565,12 +519,12 @@ def _segments(contents: Mapping[int, Mapping[str, Any]]) -> list[np.ndarray]:
 
 
 def _header(fields: list[_Field]) -> np.ndarray:
-    """8 bytes of length, then the fields as JSON (never pickle: payloads come back from peers), padded."""
-    text = json.dumps([[f.owner, f.name, f.dtype, list(f.shape), f.offset, f.nbytes] for f in fields]).encode()
-    size = -(-(8 + len(text)) // _ALIGN) * _ALIGN
-    header = np.zeros(size, np.uint8)
-    header[:8] = np.frombuffer(len(text).to_bytes(8, "little"), np.uint8)
-    header[8:8 + len(text)] = np.frombuffer(text, np.uint8)
+    """The fields framed as a wire message (never pickle: payloads come back from peers), padded so
+    that the first field starts aligned."""
+    message = wire.encode([[f.owner, f.name, f.dtype, list(f.shape), f.offset, f.nbytes] for f in fields],
+                          "a payload's header")
+    header = np.zeros(-(-message.nbytes // _ALIGN) * _ALIGN, np.uint8)
+    header[:message.nbytes] = message
     return header
 
 
@@ -579,10 +533,9 @@ def _read_header(payload: Payload) -> list[_Field]:
         payload = payload[0]
     if payload.nbytes < 8:
         return []
-    length = int.from_bytes(payload[:8].tobytes(), "little")
-    size = -(-(8 + length) // _ALIGN) * _ALIGN
-    return [_Field(o, n, d, tuple(s), off + size, nb)
-            for o, n, d, s, off, nb in json.loads(payload[8:8 + length].tobytes())]
+    size = -(-wire.encoded_size(payload) // _ALIGN) * _ALIGN
+    return [_Field(int(o), str(n), str(d), tuple(int(x) for x in s), int(off) + size, int(nb))
+            for o, n, d, s, off, nb in wire.decode(payload)]
 
 
 def _fields_of(payload: Payload, owner: int) -> dict[str, np.ndarray]:
@@ -607,17 +560,6 @@ def _slices(segments: list[np.ndarray], start: int, size: int) -> list[np.ndarra
         if offset >= start + size:
             break
     return out
-
-
-def _pack(segments: list[np.ndarray], total: int, reuse: Payload | None) -> np.ndarray:
-    """Copy the segments into one payload: the roll-back copy, in the retired version's buffer if it fits."""
-    payload = reuse if isinstance(reuse, np.ndarray) and reuse.nbytes == total and reuse.flags.writeable else \
-        np.empty(total, np.uint8)
-    offset = 0
-    for seg in segments:
-        payload[offset:offset + seg.nbytes] = seg
-        offset += seg.nbytes
-    return payload
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
