@@ -20,7 +20,7 @@ first use, so tools (``python -m elastic.launch``, ``elastic.report``) never do.
 from typing import TYPE_CHECKING
 
 from elastic.comm import ConfigError, ElasticError, ProcessFailure, Role, UlfmUnavailable, Unrecoverable, agreed
-from elastic.comm._lazy import lazy_exports
+from elastic.comm.runtime import lazy_exports
 
 if TYPE_CHECKING:
     from elastic.comm import Rebuild, World

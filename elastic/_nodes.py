@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
 from elastic.comm import Config, ConfigError
-from elastic.comm._config import Relaunch
-from elastic.comm._ranks import SPARE
+from elastic.comm.runtime import SPARE, Relaunch
 
 # Across nodes Open MPI picks its hierarchical collectives (coll/han), which crash after a process
 # failure; the flat ones survive it. Tier 1 (ULFM) across nodes needs this.

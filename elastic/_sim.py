@@ -31,7 +31,7 @@ from elastic.comm import (
     Config, ConfigError, CurrentRank, Group, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Role,
     Settings, Unrecoverable, agreed, wire,
 )
-from elastic.comm._errors import is_agreed
+from elastic.comm.runtime import is_agreed
 from elastic.comm.faults import InjectedFault, parse_schedule
 from elastic.recovery import Policy
 

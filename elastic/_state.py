@@ -16,8 +16,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
-from elastic.recovery import CommitRejected, NothingCommitted, ReplicatedStore, checksum
-from elastic.recovery._store import Adopt
+from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
 

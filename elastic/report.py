@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.comm.events import read_events
-from elastic.comm._lazy import keep_mpi_uninitialized
+from elastic.comm.runtime import keep_mpi_uninitialized
 
 
 def final_steps(events: list[dict]) -> dict[int, dict]:

@@ -11,7 +11,7 @@ The store (which needs MPI) loads on first use.
 """
 from typing import TYPE_CHECKING
 
-from elastic.comm._lazy import lazy_exports
+from elastic.comm.runtime import lazy_exports
 
 from ._errors import CommitRejected, NothingCommitted
 from ._checkfree import LR_BOOST, StageRecovery, checkfree_average, plan_stage_recovery, replica_holders
@@ -19,12 +19,12 @@ from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 
 if TYPE_CHECKING:
-    from ._store import ReplicatedStore, checksum
+    from ._store import Adopt, ReplicatedStore, checksum
 
 __getattr__, __dir__ = lazy_exports(globals(), {
-    "ReplicatedStore": "._store", "checksum": "._store",
+    "ReplicatedStore": "._store", "checksum": "._store", "Adopt": "._store",
 })
 
 __all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
            "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average",
-           "replica_holders", "LR_BOOST"]
+           "replica_holders", "LR_BOOST", "Adopt"]

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Mapping
 
 from elastic.comm import Config, ConfigError, Decision, RebuildContext
-from elastic.comm._config import MODES
+from elastic.comm.runtime import MODES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ skip, saying so. Each runs real processes under ``mpiexec --with-ft ulfm`` with 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -291,6 +292,38 @@ def test_a_relaunch_owes_only_the_injections_that_did_not_fire():
     left = _nodes.pending_injections(text, fired, {"node3"}, {7: "node1", 8: "node0"})
     assert left == "1@30,node2@25"  # node1's fired, 1@5 fired, node3 is lost
     assert _nodes.pending_injections("node1@20", fired, set(), {7: "node1"}) is None
+
+
+def test_the_plan_and_the_relaunch_planner_work_without_starting_anything(tmp_path):
+    """The launcher's plan is decided from the command line alone, and the next launch after a lost
+    host from the run's files and a probe: no MPI, no process of the job."""
+    from elastic import _relaunch
+    agent = tmp_path / "agent.sh"  # like ssh: AGENT HOST COMMAND; host "c" does not answer
+    agent.write_text('#!/bin/sh\ncase "$1" in c) exit 255;; esac\nshift\nexec "$@"\n')
+    agent.chmod(0o755)
+    plan = launcher.parse_args(["--host", "a:2,b:2,c:2,d:2", "--spare-nodes", "2", "-n", "4",
+                                "--inject", "1@5,3@9,0@30", "--mca", "plm_rsh_agent", str(agent),
+                                "--run-dir", str(tmp_path), "--", "python", "x.py"])
+    assert (plan.hosts, plan.spare_hosts, plan.relaunches) == ((("a", 2), ("b", 2)), ("c", "d"), 2)
+    assert plan.placement.hosts == [("a", [0, 1]), ("b", [2, 3])] and plan.config.node_store == f"/dev/shm/{plan.job}"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.nprocs = 5  # type: ignore[misc]
+    # The first launch: ranks 0-1 on a, 2-3 on b; version 1 committed; 1@5 fired; host b is lost.
+    for logical, host, pid in ((0, "a", 10), (1, "a", 11), (2, "b", 12), (3, "b", 13)):
+        records = [{"event": "committed", "t": 1.0, "version": 1}] + \
+            ([{"event": "inject", "t": 2.0, "rank": 1, "step": 5, "point": "step", "action": "kill", "gen": 0}]
+             if logical == 1 else [])
+        (tmp_path / f"events-{host}-{pid}.jsonl").write_text("".join(
+            json.dumps({"pid": pid, "logical": logical, "gen": 0, "role": "initial", **r}) + "\n" for r in records))
+    nxt = _relaunch.next_launch(plan, plan.placement, plan.config, plan.spare_hosts, {10, 11, 12, 13}, {"b"}, set(), 1)
+    # c does not answer the probe: b's ranks go to d, the next spare node, in the same order.
+    assert nxt.placement.hosts == [("a", [0, 1]), ("d", [2, 3])] and nxt.probed == {"c"} and nxt.spare_hosts == ()
+    assert (nxt.relaunch.failed, nxt.relaunch.replaced, nxt.relaunch.committed) == ((2, 3), (2, 3), True)
+    # What did not fire is owed, its generations counted from the relaunch's first.
+    assert [(e.rank, e.step, e.gen) for e in nxt.config.inject] == [(3, 9, 1), (0, 30, 1)]
+    assert nxt.config.relaunch == nxt.relaunch and nxt.config.node_store == plan.config.node_store
+    assert nxt.describe(plan, {"b"}) == ("node(s) b lost: relaunch 1 of 2 on a, d from the nodes' memory; "
+                                         "logical ranks [2, 3] on spare node(s)")
 
 
 def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():

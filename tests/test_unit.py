@@ -1,6 +1,7 @@
 """One-process tests: parsing, validation, error translation, the launcher's decisions."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
     with pytest.raises(SystemExit, match="does not match"):
         launch.slurm_slots("4", ["a", "b"])
     args = launch.parse_args(["-n", "6", "--run-dir", str(tmp_path), "--", "python", "x.py"])
-    args.hosts = [("a", 4), ("b", 4)]
+    args = dataclasses.replace(args, hosts=(("a", 4), ("b", 4)))
     cmd = launch.build_command(args, 7)
     assert cmd[cmd.index("--host") + 1] == "a:4,b:4" and "--oversubscribe" not in cmd
     assert "--oversubscribe" in launch.build_command(args, 9)  # more processes than allocated slots

@@ -1,0 +1,69 @@
+"""The mpiexec command of a launch: Open MPI's options for this machine, the hosts and the plan (local).
+
+Every rank runs under a sentinel (``elastic.comm._sentinel``), started with the
+launcher's Python; the job's configuration travels in the environment.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from elastic.comm import Config
+
+from . import _nodes
+from ._plan import LaunchPlan
+
+DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
+
+
+def build_command(plan: LaunchPlan, nprocs: int, hosts: list[tuple[str, int]] | None = None,
+                  agent: Path | None = None) -> list[str]:
+    """The mpiexec command line for this machine (root, core count, Slurm allocation) and the plan;
+    ``hosts``: (host, processes) of this launch, filled in order (default: the hosts' slots);
+    ``agent``: what starts the simulated nodes' daemons."""
+    mpiexec = plan.mpiexec or shutil.which("mpiexec") or "mpiexec"
+    cmd = [mpiexec, "--with-ft", "ulfm", "-n", str(nprocs)]
+    slots = os.cpu_count() or 1
+    if hosts is not None:
+        cmd += ["--host", ",".join(f"{h}:{n}" for h, n in hosts), "--map-by", "slot"]  # as the table says
+        slots = nprocs
+    elif plan.hosts:
+        cmd += ["--host", ",".join(f"{h}:{n}" for h, n in plan.hosts)]
+        slots = sum(n for _, n in plan.hosts)
+    if len(hosts if hosts is not None else plan.hosts) > 1:
+        for key, value in _nodes.MULTI_NODE_MCA:
+            cmd += ["--mca", key, value]
+    if plan.simulate_nodes:
+        cmd += ["--mca", "plm_rsh_agent", str(agent)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    # PRRTE does not give a dead process's slot to a spawned one: with every slot taken, Spawn fails
+    # (MPI_ERR_UNKNOWN). Across hosts the launcher fills every slot itself, so it lets a replacement
+    # take the dead one's core; on one host given full, the rebuild falls through to the next mode.
+    spawns = "spawn" in plan.config.rebuild and len(hosts if hosts is not None else plan.hosts) > 1
+    if plan.oversubscribe or nprocs > slots or spawns:
+        cmd.append("--oversubscribe")
+    if nprocs > (os.cpu_count() or 1):
+        cmd += ["--bind-to", "none"]  # more processes than cores (slots can exceed them under Slurm)
+    if plan.detector:
+        for key, value in DETECTOR_MCA:
+            cmd += ["--mca", key, value]
+    if (not plan.hosts or plan.simulate_nodes) and not any(k == "btl" for k, _ in plan.mca) \
+            and "OMPI_MCA_btl" not in os.environ:
+        # One machine: shared memory and TCP carry everything. The libfabric BTL only probes its
+        # providers, 1 s of every process's MPI_Init here (a spawned replacement's too).
+        cmd += ["--mca", "btl", "^ofi"]
+    for key, value in plan.mca:
+        cmd += ["--mca", key, value]
+    for name in sorted(job_env(plan.config)):
+        cmd += ["-x", name]
+    # The sentinel runs with this launcher's Python; the program with whatever the command names.
+    return cmd + [sys.executable, "-m", "elastic.comm._sentinel", "--"] + list(plan.command)
+
+
+def job_env(config: Config) -> dict[str, str]:
+    """What every process of the job gets in its environment: the whole configuration (to other
+    hosts too, through ``-x``)."""
+    return {**config.to_env(), "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,247 @@
+"""The launch plan: a command line, checked and resolved once into a frozen, typed plan (local).
+
+Everything the launcher decides before it starts a process is here: the
+hosts (``--host``, ``--hostfile``, a Slurm allocation, simulated nodes), the
+spare nodes, where each logical rank runs first, the fault schedule with node
+injections resolved to ranks, the relaunch budget, and the job's ``Config``
+(what travels to every process). A wrong option is refused here, before
+anything starts, naming the option and what to give. No MPI, no processes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from elastic.comm import Config, ConfigError
+
+from . import _nodes
+
+DESCRIPTION = "Launch a job under mpiexec --with-ft ulfm and report what each process did."
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What one ``python -m elastic.launch`` does, decided before anything starts."""
+
+    command: tuple[str, ...]                  # the program and its arguments
+    nprocs: int                               # active ranks
+    spares: int                               # parked spare ranks on top
+    hosts: tuple[tuple[str, int], ...]        # (host, slots) of the job; () for this machine alone
+    spare_hosts: tuple[str, ...]              # whole nodes held back for a relaunch
+    placement: _nodes.Placement               # the first launch: which entries each host runs
+    config: Config                            # the job's settings, as every process gets them
+    job: str                                  # names this job's node memory, and only this job's
+    run_dir: Path
+    relaunches: int                           # relaunches from the nodes' memory (0: off)
+    inject_text: str | None = None            # the schedule as given (node injections by node name)
+    slurm: bool = False
+    simulate_nodes: int | None = None         # fake nodes on this machine (a test bed)
+    timeout: float | None = None              # seconds before the whole job is stopped (exit 124)
+    grace: float = 10.0                       # seconds the ranks get after SIGTERM
+    detector: bool = False                    # Open MPI's heartbeat detector as well
+    oversubscribe: bool = False
+    mca: tuple[tuple[str, str], ...] = ()
+    mpiexec: str | None = None
+    quiet: bool = False
+
+    @property
+    def spans_hosts(self) -> bool:
+        return len(self.hosts) > 1
+
+
+def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
+    """Pair Slurm's expanded node list with SLURM_TASKS_PER_NODE (e.g. '2(x3),1') (local)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if len(counts) != len(hosts):
+        raise SystemExit(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} does not match the {len(hosts)} allocated nodes")
+    return list(zip(hosts, counts))
+
+
+def slurm_allocation() -> list[tuple[str, int]]:
+    """(host, slots) of the Slurm allocation this launcher runs in."""
+    nodelist, tasks = os.environ.get("SLURM_JOB_NODELIST"), os.environ.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not tasks:
+        raise SystemExit("--slurm outside a Slurm allocation: run it from an sbatch script or inside salloc")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True, timeout=30).stdout.split()
+    return slurm_slots(tasks, hosts)
+
+
+def parse_args(argv: list[str] | None = None) -> LaunchPlan:
+    """The launch plan of a command line; a wrong option exits (2) naming it and what to give."""
+    parser = argparse.ArgumentParser(prog="python -m elastic.launch", description=DESCRIPTION)
+    parser.add_argument("-n", "--nprocs", type=int, help="active ranks (with --slurm: the allocation's "
+                        "tasks minus --spares)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="run on the Slurm allocation around this launcher: its nodes and task slots "
+                             "(each node is a failure domain for the replicated store)")
+    parser.add_argument("--host", help="hosts and their slots as mpirun takes them, e.g. nodea:4,nodeb:4")
+    parser.add_argument("--simulate-nodes", type=int, metavar="N",
+                        help="a test bed: N fake nodes on this machine (own hostname, own /dev/shm, TCP between "
+                             "them; root); ranks fill them in order; inject nodeK@STEP to kill node K")
+    parser.add_argument("--hostfile", type=Path, help="hosts as mpirun reads them: one per line, 'host slots=N' "
+                        "(or host:N)")
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                        help="whole nodes held back for a relaunch after a node's loss (the last K hosts; with "
+                             "--simulate-nodes, K more fake nodes)")
+    parser.add_argument("--relaunches", type=int, default=None,
+                        help="relaunches from the nodes' memory when the runtime ends unfinished (a node lost); "
+                             "default 2 when the job spans hosts, else 0 (0: off, no node memory kept)")
+    parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
+    parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
+    parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
+    parser.add_argument("--inject", help="fault schedule, e.g. 1@10 or 1@5,2@10/g1 (see elastic.comm)")
+    parser.add_argument("--hang-timeout", type=float,
+                        help="seconds without a heartbeat before a rank counts as hung and is killed "
+                             f"(the heartbeat needs no MPI call from your code; default {Config.hang_timeout:g}, "
+                             "0 = off)")
+    parser.add_argument("--progress-timeout", type=float,
+                        help="seconds an active rank may go without progress (a step, a commit) before it is "
+                             "killed: catches deadlocks and stuck reads (default 0 = off; set it above your "
+                             "longest step)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed "
+                        "(exit 124; default: none)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds the ranks get to leave after SIGTERM / SIGINT before they are killed")
+    parser.add_argument("--run-dir", type=Path, help="events and outcome files (default elastic-run/<time>)")
+    parser.add_argument("--detector", action="store_true",
+                        help="Open MPI's heartbeat failure detector as well (declares a rank that is silent in "
+                             "MPI for 2 s dead, so long computations between MPI calls are not allowed)")
+    parser.add_argument("--oversubscribe", action="store_true", help="force --oversubscribe")
+    parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH)")
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true",
+                      help="no progress lines, no command echo: warnings, the deaths and the verdict only")
+    talk.add_argument("--verbose", action="store_true", help="log every event of every process as it happens")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
+    raw = parser.parse_args(argv)
+    command = tuple(raw.command[1:] if raw.command and raw.command[0] == "--" else raw.command)
+    if not command:
+        parser.error("give the program after --, e.g. -- python examples/jacobi.py")
+    if not shutil.which(command[0]):
+        parser.error(f"the program {command[0]!r} is not an executable file here or on PATH: no process "
+                     "could start it")
+    if sum(map(bool, (raw.slurm, raw.host, raw.hostfile, raw.simulate_nodes))) > 1:
+        parser.error("give one of --slurm (the allocation's hosts), --host, --hostfile and --simulate-nodes")
+    hosts = slurm_allocation() if raw.slurm else _hosts(raw.host, parser) if raw.host else \
+        _hostfile(raw.hostfile, parser) if raw.hostfile else []
+    spare_nodes, spares = raw.spare_nodes, raw.spares
+    if spare_nodes < 0 or (spare_nodes and not raw.simulate_nodes and spare_nodes >= len(hosts)):
+        parser.error(f"--spare-nodes {spare_nodes}: give fewer than the {len(hosts)} hosts (the last K of "
+                     "them are held back), or use --simulate-nodes")
+    spare_hosts = [h for h, _ in hosts[len(hosts) - spare_nodes:]] if spare_nodes and not raw.simulate_nodes else []
+    hosts = hosts[:len(hosts) - len(spare_hosts)]
+    nprocs = raw.nprocs
+    if nprocs is None:
+        if not raw.slurm:
+            parser.error("give -n (active ranks), or --slurm to size the job from the allocation")
+        nprocs = sum(n for _, n in hosts) - spares
+    if nprocs < 1 or spares < 0:
+        parser.error("-n must be >= 1 and --spares >= 0")
+    if raw.simulate_nodes is not None:
+        if raw.simulate_nodes < 1:
+            parser.error("--simulate-nodes must be >= 1")
+        try:
+            _nodes.check_can_simulate()
+        except ConfigError as exc:
+            parser.error(str(exc))
+        hosts = _nodes.simulated_hosts(raw.simulate_nodes, nprocs + spares)
+        spare_hosts = [_nodes.node_name(raw.simulate_nodes + i) for i in range(spare_nodes)]
+    relaunches = raw.relaunches if raw.relaunches is not None else 2 if len(hosts) > 1 else 0
+    if relaunches < 0:
+        parser.error("--relaunches must be >= 0")
+    placement = _nodes.Placement.first(hosts or [(socket.gethostname(), nprocs + spares)], nprocs, spares)
+    try:
+        inject = _nodes.node_injections(raw.inject, placement.ranks_on(), spare_hosts) if raw.simulate_nodes \
+            else raw.inject
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if raw.grace < 0:
+        parser.error("--grace must be >= 0 seconds")
+    if raw.timeout is not None and raw.timeout <= 0:
+        parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
+    run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
+    job = f"elastic-{uuid.uuid4().hex[:12]}"
+    try:
+        config = Config.from_env(spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
+                                 hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
+                                 term_grace=raw.grace, run_dir=str(run_dir),
+                                 node_store=f"/dev/shm/{job}" if relaunches else None,
+                                 log_level="WARNING" if raw.quiet else "DEBUG" if raw.verbose else None)
+        _validate(config, nprocs, bool(raw.simulate_nodes), raw.detector)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return LaunchPlan(command, nprocs, spares, tuple(hosts), tuple(spare_hosts), placement, config, job, run_dir,
+                      relaunches, raw.inject, raw.slurm, raw.simulate_nodes, raw.timeout, raw.grace, raw.detector,
+                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), raw.mpiexec, raw.quiet)
+
+
+def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()):
+            parser.error(f"--host {text!r}: write host:slots,host:slots (e.g. nodea:4,nodeb:4)")
+        hosts.append((name, int(slots or 1)))
+    return hosts
+
+
+def _hostfile(path: Path, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        parser.error(f"--hostfile {path}: {exc.strerror}")
+    hosts = []
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        name, _, slots = words[0].partition(":")
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots":
+                slots = value
+        if not slots.isdigit() and slots:
+            parser.error(f"--hostfile {path}: {line.strip()!r}: write 'host slots=N' or 'host:N'")
+        hosts.append((name, int(slots or 1)))
+    if not hosts:
+        parser.error(f"--hostfile {path} names no host")
+    return hosts
+
+
+def _validate(config: Config, nprocs: int, simulate_nodes: bool, detector: bool) -> None:
+    """Refuse, before anything starts, what the ranks would refuse or silently ignore."""
+    from elastic.recovery import Policy
+    policy = Policy.from_config(config)
+    for entry in config.inject:
+        if entry.point == "park":
+            if entry.rank >= config.spares:
+                raise ConfigError(f"injection s{entry.rank}@park: there are {config.spares} spares (s0 is the first)")
+        elif entry.rank >= nprocs:
+            raise ConfigError(f"injection {entry.to_dict()}: logical rank {entry.rank} does not exist with "
+                              f"-n {nprocs} (ranks 0..{nprocs - 1})")
+        if entry.action == "node" and not simulate_nodes:
+            raise ConfigError(f"injection {entry.to_dict()} kills a whole node: only simulated nodes "
+                              "(--simulate-nodes N, then nodeK@STEP) are killed this way")
+        if entry.action == "hang" and not config.hang_timeout and not detector:
+            raise ConfigError(f"injection {entry.to_dict()} hangs a rank, but --hang-timeout 0 turned the "
+                              "heartbeat off and --detector is not on: nothing would ever notice it")
+        if entry.action == "stall" and not config.progress_timeout:
+            raise ConfigError(f"injection {entry.to_dict()} stalls a rank (alive, no progress): only "
+                              "--progress-timeout notices that; set it")
+        if entry.point == "spawn" and "spawn" not in policy.modes:
+            raise ConfigError(f"injection {entry.to_dict()} fires during a spawn, but --rebuild "
+                              f"{','.join(policy.modes)} never spawns")
+
+

@@ -1,0 +1,258 @@
+"""Supervising a launch: one mpiexec run watched to its end, and what became of every process (local).
+
+ULFM's mpiexec exit status says nothing about which ranks died or why, so
+every process writes an outcome file, every sentinel a fate file, and the
+verdict comes from those (``summarize``), as mpirun and torchrun users expect.
+A stop (a signal to the launcher, the timeout) is passed on as SIGTERM with a
+grace; nothing the job started outlives it; a sentinel stopped (SIGSTOP) after
+its rank ended is killed so that a finished job ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS
+from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
+from elastic.comm.faults import Injection
+
+from ._plan import LaunchPlan
+
+_EXPECTED_END = ("finished", "spare-unused")
+LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
+SWEEP_SECONDS = 1.0     # how often the launcher looks for stopped sentinels
+# Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
+_NOISE = b"NBC_Progress: an error"
+# PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
+_LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
+
+
+class _Output(threading.Thread):
+    """Copies one of mpiexec's streams through, line by line, dropping Open MPI's failure noise."""
+
+    def __init__(self, source: IO[bytes], sink: Any) -> None:
+        super().__init__(daemon=True)
+        self.source, self.sink, self.hidden = source, sink, 0
+        self.lost_nodes: list[str] = []
+
+    def run(self) -> None:
+        after_noise = False
+        for line in iter(self.source.readline, b""):
+            if line.startswith(_NOISE) or (after_noise and not line.strip()):  # the notice ends in a blank line
+                self.hidden += bool(line.strip())
+                after_noise = True
+                continue
+            after_noise = False
+            lost = _LOST_NODE.search(line)
+            if lost:
+                self.lost_nodes.append(lost.group(1).decode(errors="replace"))
+            self.sink.buffer.write(line.replace(b"\0", b""))  # prterun's stream can carry a stray NUL
+            self.sink.flush()
+
+
+def _session_processes(sid: int, states: str = "") -> list[int]:
+    """Pids of the live processes still in session ``sid`` (this host only; zombies are already dead);
+    ``states``: only those in one of these states (``"Tt"``: stopped)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != sid:
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z" and (not states or fields[0] in states):
+                pids.append(int(entry.name))  # state, then (after ppid, pgrp) the session
+    return pids
+
+
+def _is_sentinel(pid: int) -> bool:
+    try:
+        return b"elastic.comm._sentinel" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+class Attempt:
+    """One mpiexec run of the job, watched to its end (local)."""
+
+    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str]) -> None:
+        self.plan = plan
+        self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
+        self.leftovers: list[int] = []
+        self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
+        self.killed_stopped: list[int] = []
+        self.swept = 0.0
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.outputs = [_Output(self.proc.stdout, sys.stdout), _Output(self.proc.stderr, sys.stderr)]  # type: ignore
+        for output in self.outputs:
+            output.start()
+
+    def stop(self, why: str) -> None:
+        if not self.stopping:
+            print(f"\n[launch] {why}: stopping the job ({self.plan.grace:g} s grace)", file=sys.stderr, flush=True)
+            self.stopping.append(time.monotonic())
+            self.proc.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank's sentinel
+
+    def wait(self, deadline: float | None) -> None:
+        """Until mpiexec ends (or the grace after a stop runs out), then nothing it started lives on."""
+        proc = self.proc
+        while proc.poll() is None:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                self.stop(f"TIMED OUT after {self.plan.timeout:g} s")
+            if self.stopping and now - self.stopping[0] > self.plan.grace:
+                break
+            if now - self.swept > SWEEP_SECONDS:
+                self.swept = now
+                self._sweep_stopped_sentinels(now)
+            time.sleep(0.1)
+        # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
+        # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
+        settle = time.monotonic() + LEFTOVER_SECONDS
+        while _session_processes(proc.pid) and time.monotonic() < settle and proc.poll() is not None:
+            time.sleep(0.05)
+        self.leftovers = _session_processes(proc.pid) + ([proc.pid] if proc.poll() is None else [])
+        for pid in self.leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        for output in self.outputs:
+            output.join(timeout=5)
+
+    def _sweep_stopped_sentinels(self, now: float) -> None:
+        """Kill a sentinel stopped for twice the hang bound (this host). Its rank kills it after the
+        bound while the rank lives; a sentinel stopped after its rank ended has nobody else to free
+        mpiexec from it, and a job that finished would otherwise never end."""
+        bound = 2 * (self.plan.config.hang_timeout or STOPPED_SENTINEL_SECONDS)
+        stopped = {pid for pid in _session_processes(self.proc.pid, "Tt") if _is_sentinel(pid)}
+        self.stopped_since = {pid: self.stopped_since.get(pid, now) for pid in stopped}
+        for pid, since in self.stopped_since.items():
+            if now - since > bound:
+                print(f"[launch] the sentinel pid {pid} has been stopped for {now - since:.0f} s: killed",
+                      file=sys.stderr, flush=True)
+                self.killed_stopped.append(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    @property
+    def lost_nodes(self) -> set[str]:
+        return {node for output in self.outputs for node in output.lost_nodes}
+
+    @property
+    def hidden(self) -> int:
+        return sum(output.hidden for output in self.outputs)
+
+
+
+def run_pids(run_dir: Path) -> set[int]:
+    """Every process that left a file in the run directory."""
+    return {int(m.group(1)) for p in run_dir.glob("*-*") for m in [re.search(r"-(\d+)\.jsonl?$", p.name)] if m}
+
+
+# ---------------------------------------------------------------------------- the outcome
+def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None,
+              stopped: str | None = None) -> dict[str, Any]:
+    """What became of the job and of each process, from the files they wrote (local).
+
+    ``finished``: the training finished (some process finished, none stopped the
+    job with an error, none failed after finishing). ``deaths``: every process
+    that did not leave together with the others, with how it ended. ``never_fired``: schedule
+    entries that no process announced. ``only``: these processes (one launch of several).
+    ``stopped``: why this launcher stopped the job (a signal's name, a timeout): a process
+    that said nothing of its own end, or ended by a termination signal, ended by that request.
+    """
+    outcomes = {o["pid"]: o for o in read_outcomes(run_dir) if only is None or o["pid"] in only}
+    fates = {f["pid"]: f for f in read_fates(run_dir) if only is None or f["pid"] in only}
+    events = [e for e in read_events(run_dir) if only is None or e["pid"] in only]
+    last_seen: dict[int, dict] = {}
+    for e in events:
+        last_seen[e["pid"]] = e
+    pids = sorted(set(outcomes) | set(fates) | set(last_seen))
+    deaths = []
+    for pid in pids:
+        outcome, fate = outcomes.get(pid), fates.get(pid)
+        info = outcome if outcome is not None else last_seen.get(pid, {})
+        status = outcome["status"] if outcome else None
+        left_together = status in _EXPECTED_END + ("error",) and not info.get("after_finish") and \
+            (fate is None or fate["end"] == "exited")
+        if left_together:  # finished, released, or stopped with the job's agreed error (told once, below)
+            continue
+        how = f"stopped on request ({stopped})" if stopped and _ended_by_a_stop(outcome, fate) else \
+            _how(outcome, fate)
+        deaths.append({"pid": pid, "logical": info.get("logical"), "gen": info.get("gen"),
+                       "role": info.get("role"), "status": status, "how": how,
+                       "injected": bool(status and status.startswith("injected-"))})
+    statuses = [o["status"] for o in outcomes.values()]
+    stop = next((o for o in outcomes.values() if o["status"] == "error"), None)
+    after_finish = [o for o in outcomes.values() if o.get("after_finish")]
+    finished = "finished" in statuses and stop is None and not after_finish
+    fired = {(e["rank"], e["step"], e["point"], e["action"], e["gen"]) for e in events if e["event"] == "inject"}
+    never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen) not in fired]
+    counts: dict[str, int] = {}
+    for pid in pids:  # by what the process said, else by what its sentinel saw
+        key = "stopped on request" if stopped and _ended_by_a_stop(outcomes.get(pid), fates.get(pid)) else \
+            outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
+            "died without a word"
+        counts[key] = counts.get(key, 0) + 1
+    return {"finished": finished, "processes": len(pids), "counts": counts, "deaths": deaths,
+            "stopped_by": {"kind": stop["kind"], "message": stop["message"]} if stop else None,
+            "never_fired": [i.to_dict() for i in never], "outcomes": list(outcomes.values()),
+            "fates": list(fates.values())}
+
+
+def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
+    """A process that left no word of its own end, or was ended by a termination signal: what a
+    stop of the whole job (the launcher's SIGTERM, passed on to everyone) leaves behind."""
+    if outcome is not None:
+        return outcome["status"] == "failed" and outcome.get("kind") in SIGNAL_ERRORS
+    return fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP",
+                                                                                   "SIGKILL")
+
+
+def _how(outcome: dict | None, fate: dict | None) -> str:
+    """One line on how a process ended."""
+    end = describe_end(outcome, fate)
+    if end is None:
+        return "died without a word (no outcome, no sentinel record)"
+    if outcome is not None and outcome["status"] in ("failed", "error"):
+        scope = "stopped the job" if outcome["status"] == "error" else "failed"
+        scope += " after finishing" if outcome.get("after_finish") else ""
+    else:
+        scope = ""
+    step = f" at step {end['step']}" if end["step"] is not None and not end["injected"] else ""
+    return f"{scope}{step}: {end['what']}" if scope else f"{end['what']}{step}"
+
+
+def report(summary: dict[str, Any], run_dir: Path, notes: list[str]) -> None:
+    told = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
+    if summary["processes"]:
+        print(f"[launch] {summary['processes']} processes: {told}; events in {run_dir}", flush=True)
+    else:
+        print(f"[launch] no process of the job left a word (events, outcome, sentinel record) in {run_dir}: "
+              "none started, or mpiexec failed before them (see its output above)", flush=True)
+    for d in summary["deaths"]:
+        who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
+        print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
+    for entry in summary["never_fired"]:
+        print(f"[launch] warning: injection {entry} never fired (that rank, step or point was not reached)",
+              flush=True)
+    for note in notes:
+        print(f"[launch] {note}", flush=True)
+    if summary["finished"]:
+        print("[launch] training finished", flush=True)
+    elif summary["stopped_by"]:
+        print(f"[launch] training did not finish: {summary['stopped_by']['kind']}: "
+              f"{summary['stopped_by']['message']}", flush=True)
+    else:
+        print("[launch] training did not finish: no process finished it (see the deaths above)", flush=True)
