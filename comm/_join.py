@@ -81,19 +81,19 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
                        rebuild, committed=relaunch.committed if relaunch else False)
     world = World(start, config, policy or FixedOrder(config.rebuild, config.min_size),
                   relaunch.initial_size if relaunch else n - config.spares, alone=alone and not config.require_ulfm)
-    world.lifecycle.install()
+    world._lifecycle.install()
     with mpi_errors(universe):
-        world.adopt(dataclasses.replace(start, comm=split_actives(members)))
+        world._adopt(dataclasses.replace(start, comm=split_actives(members)))
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
-                      sentinel=world.watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
+                      sentinel=world._watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
     if relaunch is not None and rebuild is not None:  # the report's timeline: a recovery by a relaunch
-        world.announce(rebuild, lost_nodes=relaunch.lost_nodes)
+        world._announce(rebuild, lost_nodes=relaunch.lost_nodes)
     if role is Role.SPARE:
-        world.park()
+        world._park()
     else:
-        world.export_env()
-        world.watchdog.watch_progress(True)
+        world._export_env()
+        world._watchdog.watch_progress(True)
     return world
 
 
@@ -123,10 +123,10 @@ def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> Wor
                          Role.RECOVERED, streak=state["streak"], committed=state["committed"])
     world = World(joining, config, policy or FixedOrder(config.rebuild, config.min_size), state["initial_size"],
                   history=state["history"], step=state["step"])
-    world.lifecycle.install()
-    world.events.emit("spawned", sentinel=world.watchdog.active)
-    world.rebuild(join=True)
-    world.watchdog.watch_progress(True)
+    world._lifecycle.install()
+    world.events.emit("spawned", sentinel=world._watchdog.active)
+    world._rebuild(join=True)
+    world._watchdog.watch_progress(True)
     return world
 
 

@@ -46,20 +46,21 @@ def _leave_at_exit() -> None:
 
 
 class Host(Protocol):
-    """What the exit paths need of the process's World (read-only, and the spares' release)."""
+    """What the exit paths need of the process's World (its internals, comm's own; read-only, and
+    the spares' release)."""
 
     @property
     def events(self) -> EventLog: ...
     @property
-    def watchdog(self) -> Watchdog: ...
+    def _watchdog(self) -> Watchdog: ...
     @property
-    def step(self) -> int | None: ...
+    def _step(self) -> int | None: ...
     @property
-    def failures_seen(self) -> bool: ...
+    def _failures_seen(self) -> bool: ...
     @property
-    def universe(self) -> "MPI.Intracomm": ...
+    def _universe(self) -> "MPI.Intracomm": ...
 
-    def release_spares(self) -> None: ...
+    def _release_spares(self) -> None: ...
 
 
 class Lifecycle:
@@ -89,7 +90,7 @@ class Lifecycle:
     def fail(self, kind: str, message: str) -> None:
         """Record this process's own failure, then die so that the others see it at once. Never returns."""
         world = self._world
-        step = world.step
+        step = world._step
         if not self._recorded:
             fields: dict[str, Any] = {"kind": kind, "message": message, "step": step}
             if self.finished:
@@ -119,11 +120,11 @@ class Lifecycle:
 
         world = self._world
         self._left = True
-        world.watchdog.watch_progress(False)
-        failures = world.failures_seen
-        universe = world.universe
+        world._watchdog.watch_progress(False)
+        failures = world._failures_seen
+        universe = world._universe
         while True:
-            world.release_spares()
+            world._release_spares()
             try:
                 universe.Agree(1)
                 break
@@ -132,10 +133,10 @@ class Lifecycle:
                     break  # nothing more can be agreed with a broken MPI; leave anyway
                 failures = True
                 universe.Ack_failed()
-        world.watchdog.announce_exit(code)
+        world._watchdog.announce_exit(code)
         if not failures and not MPI.Is_finalized():  # ourselves: whoever initialized MPI, leave it cleanly
             MPI.Finalize()
-        if failures or world.watchdog.active:
+        if failures or world._watchdog.active:
             # Under a sentinel, which passes the announced code on, go without the interpreter's
             # teardown too: with torch loaded, freeing every module takes ~0.3 s of CPU per process
             # (0.85 s of a 4-rank job's wall time here) and nothing in it concerns the job; what

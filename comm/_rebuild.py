@@ -68,26 +68,26 @@ class Generation:
 
 
 class RebuildHost(Protocol):
-    """What a rebuild needs of the process it runs in (the World), read-only: it writes nothing
-    there and hands back a ``Generation``."""
+    """What a rebuild needs of the process it runs in (the World's internals, comm's own), read-only:
+    it writes nothing there and hands back a ``Generation``."""
 
     @property
-    def config(self) -> Config: ...
+    def _config(self) -> Config: ...
     @property
-    def policy(self) -> RebuildPolicy: ...
+    def _policy(self) -> RebuildPolicy: ...
     @property
     def events(self) -> EventLog: ...
     @property
-    def watchdog(self) -> Watchdog: ...
+    def _watchdog(self) -> Watchdog: ...
     @property
     def generation(self) -> int: ...
     @property
-    def streak(self) -> int: ...
+    def _streak(self) -> int: ...
     @property
-    def committed(self) -> bool: ...
+    def _committed(self) -> bool: ...
 
-    def fire(self, members: Members, point: str, index: int | None = None) -> None: ...
-    def handover(self) -> dict[str, Any]: ...
+    def _fire_for(self, members: Members, point: str, index: int | None = None) -> None: ...
+    def _handover(self) -> dict[str, Any]: ...
 
 
 @message
@@ -136,9 +136,9 @@ class Rebuilder:
         """Rounds until one succeeds everywhere; a spawned process ``join``s at the install."""
         world, members = self.world, self.members
         started = time.perf_counter()
-        done = Summary(streak=world.streak + 1, committed=world.committed)
+        done = Summary(streak=world._streak + 1, committed=world._committed)
         if not join:
-            world.fire(members, "agree")
+            world._fire_for(members, "agree")
         while True:
             done.attempts += 1
             try:
@@ -176,7 +176,7 @@ class Rebuilder:
                           self.durations, tuple(summary.causes), summary.streak)
         role = Role.SPARE if mine == SPARE else Role.RECOVERED if mine in summary.replaced else Role.SURVIVOR
         return Generation(number, members, self.comm, role, rebuild, summary.streak,
-                          world.committed or summary.committed)
+                          world._committed or summary.committed)
 
     # ------------------------------------------------------------------ one round
     def _round(self, members: Members, done: Summary) -> None:
@@ -199,7 +199,7 @@ class Rebuilder:
         _fence(world.events, dead, members)
         self._await_the_runtime(dead, members)
         done.causes.extend(self._causes(dead, members))
-        world.fire(members, "rebuild")
+        world._fire_for(members, "rebuild")
         # A death since the shrink is found here, before any communicator is built on the shrunk one:
         # Open MPI's communicator creation can spin for ever when a member is dead (seen with Merge).
         if not shrunk.Agree(1):
@@ -227,10 +227,10 @@ class Rebuilder:
         """
         world = self.world
         lost = hosts_lost(members.procs, dead)
-        if not world.config.node_store or not lost:
+        if not world._config.node_store or not lost:
             return
         t = time.perf_counter()
-        with world.watchdog.bounded(HOST_VERDICT_SECONDS + JOIN_SECONDS):
+        with world._watchdog.bounded(HOST_VERDICT_SECONDS + JOIN_SECONDS):
             time.sleep(HOST_VERDICT_SECONDS)  # the runtime's end, if it comes, comes as a signal
         world.events.emit("host_processes_lost", hosts=lost, waited=time.perf_counter() - t)
 
@@ -274,7 +274,7 @@ class Rebuilder:
         if members.comm.Get_rank() == 0:
             context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable)
             try:  # whatever the policy does, every process must get one decision
-                got = self.world.policy.decide(context)
+                got = self.world._policy.decide(context)
                 answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))
             except Exception as exc:
                 answer = Decision((), f"the rebuild policy failed: {exc!r}")
@@ -305,18 +305,18 @@ class Rebuilder:
         """
         world = self.world
         command, args = sys.executable, list(getattr(sys, "orig_argv", sys.argv)[1:])
-        if world.watchdog.active:  # the replacement runs under a sentinel too
+        if world._watchdog.active:  # the replacement runs under a sentinel too
             command, args = sys.executable, ["-m", "elastic.comm._sentinel", "--", sys.executable] + args
         inter, error = None, None
         try:
             # The child starts Python and imports what the program imports before it joins: seconds
             # that the progress timeout must not count (the spawn has the join's bound instead).
-            with world.watchdog.bounded(JOIN_SECONDS):
+            with world._watchdog.bounded(JOIN_SECONDS):
                 inter = members.comm.Spawn(command, args, maxprocs=len(logical), root=0)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
             error = exc
-        world.fire(members, "spawn")
+        world._fire_for(members, "spawn")
         # A vote before the merge: Open MPI's Merge spins for ever when a parent is dead.
         try:
             everyone = agree(members.comm, int(inter is not None))
@@ -328,14 +328,14 @@ class Rebuilder:
             world.events.emit("spawn_failed", lost=logical, error=str(error) if error else "on another process")
             return False
         assert inter is not None
-        with world.watchdog.bounded(JOIN_SECONDS):  # as the child's join: Merge can block for ever
+        with world._watchdog.bounded(JOIN_SECONDS):  # as the child's join: Merge can block for ever
             merged = inter.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         # From here on the new processes are members: a failure now is one more round on `merged`.
         members.comm = merged
         members.table = members.table + list(logical)  # children come after the parents (high=True there)
         members.procs = members.procs + [None] * len(logical)
-        bcast(merged, {"members": (members.table, members.procs), "world": world.handover()}, 0)
+        bcast(merged, {"members": (members.table, members.procs), "world": world._handover()}, 0)
         return True
 
     # ------------------------------------------------------------------ install

@@ -14,7 +14,7 @@ system call, even once per step:
 * ``progress`` / ``step``: the loop moved on, and where it is. With
   ``ELASTIC_PROGRESS_TIMEOUT`` set, a rank that is alive but makes no progress
   for that long (a deadlock, a read that never returns) is killed.
-* ``waiting``: inside an MPI call of the library (``World.guard()``). A rank
+* ``waiting``: inside an MPI call of the library (``world.mpi.guard()``). A rank
   waiting there for a stuck peer is a victim, not the culprit: it gets twice
   the progress timeout, so the stuck rank dies first and the others recover.
 * ``armed``: parked spares and finished ranks are exempt from the progress timeout.

@@ -3,13 +3,16 @@
 Two communicators: the *universe* (``members.comm``: every live process, active
 ranks and parked spares, where every rebuild runs) and ``comm`` (the active
 ranks, ordered by logical rank: what users compute on). The layers above use
-the facade below, never ``comm`` itself: agreed collectives (``vote``,
-``allgather``, ``bcast``, ``alltoall``: the outcome is the same on every rank)
-and data-plane ones (``exchange``, ``allreduce``). The rebuild is
+the ``Group`` below, never ``comm`` itself: agreed collectives (``vote``,
+``allgather``, ``bcast``, ``alltoall``: the outcome is the same on every rank),
+data-plane ones (``exchange``, ``allreduce``), fault points, the event log and
+``job`` (the job's facts as this process knows them). The World's own public
+surface adds only ``recover``, ``finish`` and ``mpi`` (the communicators, for
+programs that call mpi4py themselves); everything else is private. The rebuild is
 ``_rebuild``'s, the spares' messages ``_spares``', how a process joins ``_join``'s
 and how it ends ``_lifecycle``'s. None of them writes here: a join or a rebuild
 hands over a frozen ``Generation`` (membership, communicators, role, streak) and
-``adopt`` takes it whole, so the modules below see the World only through the
+``_adopt`` takes it whole, so the modules below see the World only through the
 read-only protocols they declare (``RebuildHost``, ``lifecycle.Host``).
 """
 from __future__ import annotations
@@ -46,35 +49,28 @@ class World:
 
     def __init__(self, generation: Generation, config: Config, policy: RebuildPolicy, initial_size: int, *,
                  history: set[tuple[str, Any]] | None = None, step: int | None = None, alone: bool = False) -> None:
-        self._now = generation                # changed by adopt() only: a join's, then each rebuild's
-        self.config, self.policy, self.initial_size = config, policy, initial_size
-        self.settings = Settings.of(config)  # what the layers above act on
-        self.step = step                      # the loop's last step, as told by fault_point / progress
+        self._now = generation                # changed by _adopt() only: a join's, then each rebuild's
+        self._config, self._policy, self._initial_size = config, policy, initial_size
+        self._settings = Settings.of(config)  # what the layers above act on
+        self._step = step                     # the loop's last step, as told by fault_point / progress
         self._own_step_points = False         # the program calls fault_point(step) itself
         # A replacement (spawned or relaunched) exists because of a failure.
-        self.failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
-        self.history = history if history is not None else set()  # software errors seen, to stop a repeat
-        self.watchdog = WATCHDOG
+        self._failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
+        self._history = history if history is not None else set()  # software errors seen, to stop a repeat
+        self._watchdog = WATCHDOG
         self.events = EventLog(config.run_dir, self._context)
-        self.lifecycle = Lifecycle(self)
+        self._lifecycle = Lifecycle(self)
         self._faults = FaultInjector(config.inject, self._announce_fault)
         self._released: set[int] = set()
-        self.alone = alone  # a single process started without mpiexec (debugging): nothing survivable
+        self._alone = alone  # a single process started without mpiexec (debugging): nothing survivable
+        self.job = WorldJob(self)
+        self.mpi = WorldMpi(self)
 
-    def adopt(self, generation: Generation) -> None:
+    def _adopt(self, generation: Generation) -> None:
         """Make ``generation`` this process's (local): the one place where its membership changes."""
         self._now = generation
 
-    # ------------------------------------------------------------ generation
-    @property
-    def members(self) -> Members:
-        return self._now.members
-
-    @property
-    def comm(self) -> MPI.Intracomm:
-        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare)."""
-        return self._now.comm
-
+    # ------------------------------------------------------------ identity
     @property
     def generation(self) -> int:
         return self._now.number
@@ -88,170 +84,81 @@ class World:
         return self._now.rebuild
 
     @property
-    def streak(self) -> int:
-        """Rebuilds since the last successful commit."""
-        return self._now.streak
-
-    @property
-    def committed(self) -> bool:
-        """A commit was agreed in this job (known to replacements too)."""
-        return self._now.committed
-
-    # ------------------------------------------------------------------ views
-    @property
-    def universe(self) -> MPI.Intracomm:
-        return self.members.comm
-
-    @property
     def logical_rank(self) -> LogicalRank:
         """This process's logical rank (an active rank always has one; spares are never handed out)."""
-        entry = self.members.mine()
+        entry = self._members.mine()
         if entry == SPARE:
             raise Unrecoverable("a parked spare has no logical rank (a bug: spares are not handed out)")
         return LogicalRank(entry)
 
     @property
     def rank(self) -> CurrentRank:
-        """This process's rank in ``comm`` (the active ranks of this generation)."""
-        return CurrentRank(self.comm.Get_rank())
+        """This process's rank in the active communicator (``mpi.comm``) of this generation."""
+        return CurrentRank(self._comm.Get_rank())
 
     @property
     def size(self) -> int:
-        return self.comm.Get_size()
+        return self._comm.Get_size()
 
     @property
     def logical_ranks(self) -> tuple[LogicalRank, ...]:
         """The active logical ranks, in current-rank order (ascending)."""
-        return self.members.logical_ranks()
+        return self._members.logical_ranks()
 
-    @property
-    def host_peers(self) -> list[int]:
-        """The active logical ranks on this rank's host, ascending (this one included)."""
-        return self.members.host_peers()
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's place among the active ranks on its host, by logical rank (follows rebuilds)."""
-        return self.host_peers.index(int(self.logical_rank))
-
-    @property
-    def local_size(self) -> int:
-        """How many active ranks share this rank's host."""
-        return len(self.host_peers)
-
-    @property
-    def ended(self) -> bool:
-        """The job is over for good on this process: finished, or stopped on every process alike."""
-        return self.lifecycle.finished or self.lifecycle.stopped
-
-    @property
-    def spares(self) -> int:
-        """How many spares are parked right now."""
-        return self.members.spares()
-
-    def current_rank_of(self, logical: int) -> CurrentRank:
-        """Where logical rank ``logical`` sits in ``comm`` (local)."""
-        if LogicalRank(logical) not in self.logical_ranks:
-            raise ConfigError(f"logical rank {logical} is not active in generation {self.generation} "
-                              f"(active: {[int(r) for r in self.logical_ranks]})")
-        return CurrentRank(self.logical_ranks.index(LogicalRank(logical)))
-
-    @property
-    def first_survivor(self) -> CurrentRank:
-        """The lowest current rank that lived through the last rebuild: a safe root to resync from."""
-        new = self.last_rebuild.replaced if self.last_rebuild else frozenset()
-        for current, logical in enumerate(self.logical_ranks):
-            if logical not in new:
-                return CurrentRank(current)
-        raise agreed(Unrecoverable("no active rank survived: every holder of the job's state is gone"))
-
-    def _context(self) -> dict[str, Any]:
-        try:
-            entry = self.members.mine()
-            current = self.comm.Get_rank() if self.comm != MPI.COMM_NULL else None
-        except MPI.Exception:
-            entry, current = SPARE, None
-        return {"logical": None if entry == SPARE else entry, "rank": current, "gen": self.generation,
-                "role": self.role.value}
-
-    # ------------------------------------------------------------ user calls
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Context manager around MPI calls on ``comm``: their errors become ``ProcessFailure`` /
-        ``Unrecoverable``, and the watchdog knows this rank is waiting for its peers, not stuck."""
-        with self.watchdog.waiting(), mpi_errors(self.comm):
-            yield
-
-    def progress(self, step: int | None = None) -> None:
-        """Tell the watchdog that the loop moved on (local, cheap); ``step``: where it is now."""
-        if step is not None:
-            self.step = step
-        self.watchdog.progress(step)
-
-    def fault_point(self, step: int | None, point: str = "step") -> None:
+    # ------------------------------------------------------------ faults, record
+    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False) -> None:
         """Fire the fault schedule's entries for this rank at ``point`` (local); a step is progress.
 
         A program needs no call of its own: the library's calls that know the step
-        (``State.record_step``, the data sampler) are the step's point until the program
-        calls this with ``point="step"`` itself; the collectives are ``collective`` points."""
+        (``State.record_step``, the data sampler) mark the step with ``implied=True``, and
+        count until the program marks its steps itself (``fault_point(step)``); the
+        collectives are ``collective`` points."""
         if point == "step":
-            self._own_step_points = True
-            self.progress(step)
+            self._progress(step)
+            if implied and self._own_step_points:
+                return
+            self._own_step_points |= not implied
         self._fire(point, step)
-
-    def step_point(self, step: int) -> None:
-        """The library's step point (local): the loop is at ``step``. Progress, and the step's
-        injections unless the program marks its steps itself (``fault_point``)."""
-        self.progress(step)
-        if not self._own_step_points:
-            self._fire("step", step)
 
     def _fire(self, point: str, step: int | None) -> None:
         if self._faults.schedule:
             self._faults.fire(point, int(self.logical_rank), self.generation, step)
 
-    def Allgather(self, sendbuf: Any, recvbuf: Any, step: int | None = None) -> None:
-        """Allgather of buffers over ``comm`` (collective, blocking); a ``collective`` fault fires in flight."""
-        with self.guard():
-            request = self.comm.Iallgather(sendbuf, recvbuf)
-            self.fault_point(step, "collective")
-            request.Wait()
-
     # ------------------------------------------------- agreed collectives
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:
         """Returns on every active rank or raises ``ProcessFailure`` on every one (collective, ULFM Agree)."""
-        with self.guard():
-            if not _collectives.agree(self.comm, int(ok)):
+        with self._guard():
+            if not _collectives.agree(self._comm, int(ok)):
                 raise ProcessFailure(why)
 
     def agree_equal(self, value: int, ok: bool = True) -> bool:
         """True on every active rank iff every one passed the same ``value`` (its low 30 bits) and
         ``ok``; False on every one otherwise (collective, three ULFM Agrees: O(log n), no table)."""
         low, mask = value & 0x3FFFFFFF, 0x3FFFFFFF
-        with self.guard():
-            same = _collectives.agree(self.comm, low) == low and \
-                _collectives.agree(self.comm, ~low & mask) == ~low & mask
-            return bool(_collectives.agree(self.comm, int(same and ok)))
+        with self._guard():
+            same = _collectives.agree(self._comm, low) == low and \
+                _collectives.agree(self._comm, ~low & mask) == ~low & mask
+            return bool(_collectives.agree(self._comm, int(same and ok)))
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every active rank's ``obj`` in current-rank order, or ``ProcessFailure`` everywhere (collective)."""
-        return self._agreed(lambda: _collectives.allgather(self.comm, obj))
+        return self._agreed(lambda: _collectives.allgather(self._comm, obj))
 
     def bcast(self, obj: Any, root: int) -> Any:
         """``obj`` of current rank ``root`` on every active rank, or ``ProcessFailure`` everywhere (collective)."""
-        return self._agreed(lambda: _collectives.bcast(self.comm, obj, root))
+        return self._agreed(lambda: _collectives.bcast(self._comm, obj, root))
 
     def alltoall(self, objs: Mapping[int, Any]) -> list[Any]:
         """Send ``objs[r]`` (None if absent) to current rank ``r``; returns what each rank sent here,
         by current rank, or ``ProcessFailure`` everywhere (collective, agreed)."""
-        return self._agreed(lambda: _collectives.alltoall(self.comm, [objs.get(r) for r in range(self.size)]))
+        return self._agreed(lambda: _collectives.alltoall(self._comm, [objs.get(r) for r in range(self.size)]))
 
     def _agreed(self, call: Callable[[], _T]) -> _T:
         # A collective can fail on some ranks and succeed on others; the vote makes the outcome the
         # same everywhere, so that no rank goes on to a later Agree that another never reaches.
         result, ok = None, False
         try:
-            with self.guard():
+            with self._guard():
                 result, ok = call(), True
         except ProcessFailure:
             pass
@@ -262,24 +169,9 @@ class World:
     def allreduce(self, arrays: list[np.ndarray], step: int | None = None) -> None:
         """Sum each array over the active ranks, in place, all in flight together (collective);
         a ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
-        at = self.step if step is None else step
-        with self.guard():
-            _collectives.allreduce_sum(self.comm, arrays, lambda: self.fault_point(at, "collective"))
-
-    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
-                  step: int | None = None) -> None:
-        """Point-to-point exchange with some peers, e.g. a stencil's halos (collective among the
-        ranks named, blocking). ``sends``: (current rank, tag, array); ``receives``: (current
-        rank, tag, writable array). Every transfer is posted non-blocking, then one ``Waitall``:
-        a dead peer, or a peer's revoke of ``comm`` (it began a recovery), is ``ProcessFailure``
-        here. (``Sendrecv`` with a dead peer has crashed survivors inside Open MPI.) A
-        ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
-        at = self.step if step is None else step
-        with self.guard():
-            requests = [self.comm.Irecv(array, source, tag) for source, tag, array in receives]
-            requests += [self.comm.Isend(array, dest, tag) for dest, tag, array in sends]
-            self.fault_point(at, "collective")
-            MPI.Request.Waitall(requests)
+        at = self._step if step is None else step
+        with self._guard():
+            _collectives.allreduce_sum(self._comm, arrays, lambda: self.fault_point(at, "collective"))
 
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
                  point: str = "commit", step: int | None = None) -> int:
@@ -287,36 +179,11 @@ class World:
         ``_collectives.exchange``). The ``point`` fault (commit or restore) fires with the transfer
         about to start. Returns the bytes sent."""
         order = [int(r) for r in self.logical_ranks]
-        with self.guard():
-            return _collectives.exchange(self.comm, _collectives.by_rank(outgoing, order),
+        with self._guard():
+            return _collectives.exchange(self._comm, _collectives.by_rank(outgoing, order),
                                          _collectives.by_rank(incoming, order), lambda: self.fault_point(step, point))
 
-    def interrupt(self) -> None:
-        """Revoke the active communicator (local): every peer leaves what it waits for in it with
-        ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
-        try:
-            self.comm.Revoke()
-        except MPI.Exception:
-            pass  # revoked by a peer already
-
-    def abort(self, kind: str, message: str) -> NoReturn:
-        """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
-        so that the others see a failure at once and recover from it. Never returns."""
-        self.lifecycle.fail(kind, message)
-        raise AssertionError("unreachable: the lifecycle kills this process")
-
-    def record_result(self, **fields: Any) -> None:
-        """Record the program's result (the final loss, a model's hash) in the events, where the
-        report and tools find it (local: call it on the rank that has it)."""
-        self.events.emit("result", **fields)
-
-    # ------------------------------------------------------- the contract
-    def note_commit(self) -> None:
-        """A commit succeeded on every active rank, or a committed version was found again (local):
-        failures in a row start again from 0."""
-        self._now = dataclasses.replace(self._now, streak=0, committed=True)
-        self.progress()
-
+    # ------------------------------------------------------- the lifecycle
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
         """Rebuild after a ``ProcessFailure`` (collective over every survivor, blocking).
 
@@ -329,12 +196,12 @@ class World:
                 back after a recovery (the same on every process).
         """
         self.events.emit("failure_seen")
-        for comm in (self.comm, self.universe):
+        for comm in (self._comm, self._universe):
             try:
                 comm.Revoke()
             except MPI.Exception:
                 pass  # already revoked by a peer
-        return self.rebuild(join=False, outlook=outlook)
+        return self._rebuild(join=False, outlook=outlook)
 
     def finish(self) -> None:
         """End the job cleanly (collective over the active ranks): record the outcome.
@@ -345,8 +212,8 @@ class World:
         """
         self.fault_point(None, "finish")
         # One Agree: every rank is here (bit 0), and whether no rank ever told a step (bit 1).
-        with self.guard():
-            told = _collectives.agree(self.comm, 1 | (int(self.step is None) << 1))
+        with self._guard():
+            told = _collectives.agree(self._comm, 1 | (int(self._step is None) << 1))
         if told & 2 and self._faults.wants_steps():
             raise agreed(ConfigError(
                 f"the fault schedule {[e.to_dict() for e in self._faults.schedule]} never fired: this program "
@@ -354,94 +221,275 @@ class World:
                 "state.record_step(step) after it, or reduce gradients with elastic.allreduce_gradients"))
         self.events.emit("finished")
         self.events.write_outcome("finished")
-        self.lifecycle.finished = True
-        self.watchdog.watch_progress(False)
+        self._lifecycle.finished = True
+        self._watchdog.watch_progress(False)
 
     # ------------------------------------------------------------ internals
-    def rebuild(self, join: bool, outlook: Outlook | None = None) -> Rebuild:
-        self.failures_seen = True
-        self.watchdog.progress()  # the recovery is this process's progress now: its clock starts here
-        rebuilder = Rebuilder(self, outlook or Outlook(), self.members.copy())
+    @property
+    def _members(self) -> Members:
+        return self._now.members
+
+    @property
+    def _comm(self) -> MPI.Intracomm:
+        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare)."""
+        return self._now.comm
+
+    @property
+    def _universe(self) -> MPI.Intracomm:
+        return self._members.comm
+
+    @property
+    def _streak(self) -> int:
+        """Rebuilds since the last successful commit."""
+        return self._now.streak
+
+    @property
+    def _committed(self) -> bool:
+        return self._now.committed
+
+    def _context(self) -> dict[str, Any]:
         try:
-            with self.watchdog.waiting():  # a rebuild waits for every live process
+            entry = self._members.mine()
+            current = self._comm.Get_rank() if self._comm != MPI.COMM_NULL else None
+        except MPI.Exception:
+            entry, current = SPARE, None
+        return {"logical": None if entry == SPARE else entry, "rank": current, "gen": self.generation,
+                "role": self.role.value}
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        with self._watchdog.waiting(), mpi_errors(self._comm):
+            yield
+
+    def _progress(self, step: int | None = None) -> None:
+        """Tell the watchdog that the loop moved on (local, cheap); ``step``: where it is now."""
+        if step is not None:
+            self._step = step
+        self._watchdog.progress(step)
+
+    def _note_commit(self) -> None:
+        self._now = dataclasses.replace(self._now, streak=0, committed=True)
+        self._progress()
+
+    def _rebuild(self, join: bool, outlook: Outlook | None = None) -> Rebuild:
+        self._failures_seen = True
+        self._watchdog.progress()  # the recovery is this process's progress now: its clock starts here
+        rebuilder = Rebuilder(self, outlook or Outlook(), self._members.copy())
+        try:
+            with self._watchdog.waiting():  # a rebuild waits for every live process
                 generation = rebuilder.run(join)
         except ElasticError:
             # An agreed stop: leaving together needs the communicator every process shares now.
-            self.adopt(dataclasses.replace(self._now, members=rebuilder.members))
+            self._adopt(dataclasses.replace(self._now, members=rebuilder.members))
             raise
-        self.adopt(generation)
+        self._adopt(generation)
         rebuild = generation.rebuild
         assert rebuild is not None
-        self.announce(rebuild)
+        self._announce(rebuild)
         if self.role is not Role.SPARE:
-            self.progress()
+            self._progress()
         stop_a_programming_error(rebuild)
-        stop_a_repeated_error(rebuild, self.history)
-        self.export_env()
+        stop_a_repeated_error(rebuild, self._history)
+        self._export_env()
         return rebuild
 
-    def announce(self, rebuild: Rebuild, **extra: Any) -> None:
+    def _announce(self, rebuild: Rebuild, **extra: Any) -> None:
         """The ``rebuilt`` event of this generation (local): the report's and the tools' record of it."""
         spare = self.role is Role.SPARE
         self.events.emit("rebuilt", mode=rebuild.mode, failed=rebuild.failed, replaced=rebuild.replaced,
                          removed=rebuild.removed, lost_spares=rebuild.lost_spares, attempts=rebuild.attempts,
-                         size=self.members.actives(), durations=rebuild.durations, causes=list(rebuild.causes),
-                         streak=rebuild.streak, local=None if spare else [self.local_rank, self.local_size], **extra)
+                         size=self._members.actives(), durations=rebuild.durations, causes=list(rebuild.causes),
+                         streak=rebuild.streak, local=None if spare else [self.job.local_rank, self.job.local_size],
+                         **extra)
 
-    def export_env(self) -> None:
+    def _export_env(self) -> None:
         """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them (current ranks), for
         libraries that read them; set at the join and after every rebuild (local; not on a spare)."""
-        if self.members.mine() != SPARE:
-            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.size), LOCAL_RANK=str(self.local_rank),
-                              LOCAL_WORLD_SIZE=str(self.local_size))
+        if self._members.mine() != SPARE:
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.size), LOCAL_RANK=str(self.job.local_rank),
+                              LOCAL_WORLD_SIZE=str(self.job.local_size))
 
-    def park(self) -> None:
+    def _park(self) -> None:
         """Wait as a spare until promoted (returns) or released at the end of the job (exits)."""
         self.events.emit("parked")
-        self.watchdog.watch_progress(False)  # waiting is a parked spare's job
-        members = self.members
-        self.fire(members, "park", index=members.table[:members.comm.Get_rank()].count(SPARE))
+        self._watchdog.watch_progress(False)  # waiting is a parked spare's job
+        members = self._members
+        self._fire_for(members, "park", index=members.table[:members.comm.Get_rank()].count(SPARE))
         while self.role is Role.SPARE:
-            universe = self.universe
+            universe = self._universe
             try:
                 _spares.wait_for_release(universe)
             except MPI.Exception as exc:
                 if exc.Get_error_class() == MPI.ERR_REVOKED:
-                    self.rebuild(join=False)
+                    self._rebuild(join=False)
                     continue
                 if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):
                     universe.Ack_failed()  # the active ranks will revoke if it matters...
-                    if _spares.every_active_failed(self.members):  # ...unless none is left to do it
+                    if _spares.every_active_failed(self._members):  # ...unless none is left to do it
                         raise agreed(Unrecoverable("every active rank died; the parked spares have nothing "
                                                    "to take over from")) from None
                     continue
                 raise translate(exc, universe) from exc
             self.events.emit("released")
             self.events.write_outcome("spare-unused")
-            self.lifecycle.finished = True
+            self._lifecycle.finished = True
             sys.exit(0)
         self.events.emit("promoted", logical=self.logical_rank)
-        self.watchdog.watch_progress(True)
+        self._watchdog.watch_progress(True)
 
-    def release_spares(self) -> None:
-        _spares.send_releases(self.members, self._released)
+    def _release_spares(self) -> None:
+        _spares.send_releases(self._members, self._released)
 
-    def fire(self, members: Members, point: str, index: int | None = None) -> None:
+    def _fire_for(self, members: Members, point: str, index: int | None = None) -> None:
         """Fire ``point`` faults for this process: a logical rank, or the ``index``-th parked spare."""
         entry = members.mine() if index is None else index
         if self._faults.schedule and (entry != SPARE or index is not None):
             self._faults.fire(point, entry, self.generation)
 
-    def handover(self) -> dict[str, Any]:
+    def _handover(self) -> dict[str, Any]:
         """What a spawned process needs to become a member (sent with the merge)."""
-        return {"config": self.config, "initial_size": self.initial_size,
-                "generation": self.generation, "history": self.history, "streak": self.streak, "step": self.step,
-                "committed": self.committed}
+        return {"config": self._config, "initial_size": self._initial_size,
+                "generation": self.generation, "history": self._history, "streak": self._streak,
+                "step": self._step, "committed": self._committed}
 
     def _announce_fault(self, entry: Injection) -> None:
         self.events.emit("inject", **entry.to_dict())
-        self.events.write_outcome(f"injected-{entry.action}", injection=entry.to_dict(), step=self.step)
-        self.lifecycle.injected()
+        self.events.write_outcome(f"injected-{entry.action}", injection=entry.to_dict(), step=self._step)
+        self._lifecycle.injected()
+
+
+class WorldJob:
+    """The job as this process knows it (``world.job``): its first size, its settings, its place on
+    its host, whether a version was committed, whether it is over (local, no communication)."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+
+    @property
+    def initial_size(self) -> int:
+        """The active ranks the job started with: what programs shard their data by."""
+        return self._world._initial_size
+
+    @property
+    def settings(self) -> Settings:
+        return self._world._settings
+
+    @property
+    def alone(self) -> bool:
+        """A single process started without mpiexec (debugging): nothing is survivable."""
+        return self._world._alone
+
+    @property
+    def step(self) -> int | None:
+        """The loop's last step, as told by ``fault_point`` and the library's step points."""
+        return self._world._step
+
+    @property
+    def host_peers(self) -> list[int]:
+        """The active logical ranks on this rank's host, ascending (this one included)."""
+        return self._world._members.host_peers()
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among the active ranks on its host, by logical rank (follows rebuilds)."""
+        return self.host_peers.index(int(self._world.logical_rank))
+
+    @property
+    def local_size(self) -> int:
+        """How many active ranks share this rank's host."""
+        return len(self.host_peers)
+
+    @property
+    def spares(self) -> int:
+        """How many spares are parked right now."""
+        return self._world._members.spares()
+
+    @property
+    def first_survivor(self) -> CurrentRank:
+        """The lowest current rank that lived through the last rebuild: a safe root to resync from."""
+        world = self._world
+        new = world.last_rebuild.replaced if world.last_rebuild else frozenset()
+        for current, logical in enumerate(world.logical_ranks):
+            if logical not in new:
+                return CurrentRank(current)
+        raise agreed(Unrecoverable("no active rank survived: every holder of the job's state is gone"))
+
+    @property
+    def committed(self) -> bool:
+        """A commit was agreed in this job (known to replacements too)."""
+        return self._world._committed
+
+    def note_commit(self) -> None:
+        """A commit succeeded on every active rank, or a committed version was found again (local):
+        failures in a row start again from 0."""
+        self._world._note_commit()
+
+    @property
+    def ended(self) -> bool:
+        """The job is over for good on this process: finished, or stopped on every process alike."""
+        lifecycle = self._world._lifecycle
+        return lifecycle.finished or lifecycle.stopped
+
+    def fail(self, kind: str, message: str) -> NoReturn:
+        """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
+        so that the others see a failure at once and recover from it. Never returns."""
+        self._world._lifecycle.fail(kind, message)
+        raise AssertionError("unreachable: the lifecycle kills this process")
+
+
+class WorldMpi:
+    """The communicators under the World (``world.mpi``), for programs that call mpi4py themselves:
+    wrap such calls in ``guard()``. Valid for this generation only: a rebuild makes new ones."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare)."""
+        return self._world._comm
+
+    @property
+    def universe(self) -> MPI.Intracomm:
+        """Every live process of the job: the active ranks and the parked spares."""
+        return self._world._universe
+
+    def guard(self) -> contextlib.AbstractContextManager[None]:
+        """Context manager around MPI calls on ``comm``: their errors become ``ProcessFailure`` /
+        ``Unrecoverable``, and the watchdog knows this rank is waiting for its peers, not stuck."""
+        return self._world._guard()
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any, step: int | None = None) -> None:
+        """Allgather of buffers over ``comm`` (collective, blocking); a ``collective`` fault fires in flight."""
+        with self.guard():
+            request = self.comm.Iallgather(sendbuf, recvbuf)
+            self._world.fault_point(step, "collective")
+            request.Wait()
+
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = None) -> None:
+        """Point-to-point exchange with some peers, e.g. a stencil's halos (collective among the
+        ranks named, blocking). ``sends``: (current rank, tag, array); ``receives``: (current
+        rank, tag, writable array). Every transfer is posted non-blocking, then one ``Waitall``:
+        a dead peer, or a peer's revoke of ``comm`` (it began a recovery), is ``ProcessFailure``
+        here. (``Sendrecv`` with a dead peer has crashed survivors inside Open MPI.) A
+        ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
+        world = self._world
+        at = world._step if step is None else step
+        comm = self.comm
+        with self.guard():
+            requests = [comm.Irecv(array, source, tag) for source, tag, array in receives]
+            requests += [comm.Isend(array, dest, tag) for dest, tag, array in sends]
+            world.fault_point(at, "collective")
+            MPI.Request.Waitall(requests)
+
+    def interrupt(self) -> None:
+        """Revoke the active communicator (local): every peer leaves what it waits for in it with
+        ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
+        try:
+            self.comm.Revoke()
+        except MPI.Exception:
+            pass  # revoked by a peer already
 
 
 if TYPE_CHECKING:

@@ -121,7 +121,7 @@ def read_outcomes(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def read_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The program's last recorded result (``World.record_result``), without the event's context."""
+    """The program's last recorded result (``world.events.emit("result", ...)``), without the event's context."""
     results = [e for e in read_events(run_dir) if e["event"] == "result"]
     if not results:
         return None

@@ -11,7 +11,7 @@ of the commit of version 4), ``2@restore`` (die while sending recovery data),
 (the first parked spare hangs).
 
 Points: ``step`` (``World.fault_point(step)``, called by the user loop),
-``collective`` (inside ``World.Allgather`` after the exchange started),
+``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started),
 ``commit`` / ``restore`` (inside the replicated store's transfers),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
 agreed, before the communicator is rebuilt), ``spawn`` (after ``Spawn``

@@ -70,7 +70,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
-        limit = world.settings.max_failures if max_failures is None else max_failures
+        limit = world.job.settings.max_failures if max_failures is None else max_failures
         reset = world.role is Role.RECOVERED
         while True:
             try:
@@ -87,7 +87,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 try:
                     result = func(world, state, *args, **kwargs)
                 except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
-                    world.abort("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
+                    world.job.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
                 state.commit()
                 world.finish()
                 return result
@@ -204,5 +204,5 @@ def device(world: World) -> Any:
     CPU (local). Ask again after a rebuild: a rank's place on its host can change."""
     import torch
     if torch.cuda.is_available():
-        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", world.job.local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -243,22 +243,18 @@ class _Events:
 
 class SimRank:
     """One simulated rank: a ``Group`` (what the store, ``State`` and the loops use), plus what
-    ``elastic.run`` drives (``recover``, ``finish``, ``abort``)."""
+    ``elastic.run`` drives (``recover``, ``finish``, and ``job.fail``)."""
 
     def __init__(self, job: SimJob, logical: int, role: Role) -> None:
         self._job, self.logical, self._role = job, logical, role
         self._sequence = 0  # collectives called in this generation (every rank calls them in one order)
         self._generation = job._fabric.generation
-        self.step: int | None = None
+        self._step: int | None = None
+        self._ended = False
         self.events = _Events(self)
-        self.ended = False
-        self.alone = False
+        self.job = _SimJobView(self)
 
     # ------------------------------------------------------------------ identity
-    @property
-    def settings(self) -> Settings:
-        return self._job.settings
-
     @property
     def generation(self) -> int:
         return self._generation
@@ -286,33 +282,6 @@ class SimRank:
     @property
     def size(self) -> int:
         return len(self._job._fabric.active)
-
-    @property
-    def initial_size(self) -> int:
-        return self._job.initial_size
-
-    @property
-    def host_peers(self) -> list[int]:
-        return sorted(self._job._fabric.active)  # one host
-
-    @property
-    def first_survivor(self) -> CurrentRank:
-        rebuild = self.last_rebuild
-        new = rebuild.replaced if rebuild else frozenset()
-        return CurrentRank(next(i for i, r in enumerate(self.logical_ranks) if r not in new))
-
-    def current_rank_of(self, logical: int) -> CurrentRank:
-        if logical not in self._job._fabric.active:
-            raise ConfigError(f"logical rank {logical} is not active in generation {self.generation}")
-        return CurrentRank(self._job._fabric.active.index(logical))
-
-    @property
-    def committed(self) -> bool:
-        return self._job._fabric.committed
-
-    def note_commit(self) -> None:
-        with self._job._cv:
-            self._job._fabric.streak, self._job._fabric.committed = 0, True
 
     # ------------------------------------------------------------------ agreed calls
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:
@@ -358,15 +327,15 @@ class SimRank:
         return sum(a.nbytes for a in sent.values())
 
     def allreduce(self, arrays: list[np.ndarray], step: int | None = None) -> None:
-        self.fault_point(self.step if step is None else step, "collective")
+        self.fault_point(self._step if step is None else step, "collective")
         got = self._job._collective(self, [np.array(a, copy=True) for a in arrays])
         for i, array in enumerate(arrays):
             array[...] = sum(got[r][i] for r in self._job._fabric.active)  # current-rank order, as MPI's
 
     # ------------------------------------------------------------------ faults, progress
-    def fault_point(self, step: int | None, point: str = "step") -> None:
+    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False) -> None:
         if point == "step":
-            self.step = step
+            self._step = step
         for entry in self._job.config.inject:
             key = (entry, self.generation)
             if (entry.point == point and entry.rank == self.logical and entry.gen == self.generation
@@ -375,10 +344,7 @@ class SimRank:
                 self.events.emit("inject", **entry.to_dict())
                 if entry.action == "raise":
                     raise InjectedFault(f"injected fault at {point} step={step} on logical rank {self.logical}")
-                self.abort("injected", f"{entry.action} at {point}")
-
-    def step_point(self, step: int) -> None:
-        self.fault_point(step, "step")
+                self.job.fail("injected", f"{entry.action} at {point}")
 
     # ------------------------------------------------------------------ what elastic.run drives
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
@@ -396,13 +362,56 @@ class SimRank:
     def finish(self) -> None:
         self.fault_point(None, "finish")
         self.vote(True, "a rank died before the end")
-        self.ended = True
+        self._ended = True
         self.events.emit("finished")
 
-    def abort(self, kind: str, message: str) -> NoReturn:
+
+class _SimJobView:
+    """``rank.job``: the job as a simulated rank knows it (one host, no node memory)."""
+
+    def __init__(self, rank: SimRank) -> None:
+        self._rank = rank
+        self.alone = False
+
+    @property
+    def initial_size(self) -> int:
+        return self._rank._job.initial_size
+
+    @property
+    def settings(self) -> Settings:
+        return self._rank._job.settings
+
+    @property
+    def step(self) -> int | None:
+        return self._rank._step
+
+    @property
+    def host_peers(self) -> list[int]:
+        return sorted(self._rank._job._fabric.active)  # one host
+
+    @property
+    def first_survivor(self) -> CurrentRank:
+        rebuild = self._rank.last_rebuild
+        new = rebuild.replaced if rebuild else frozenset()
+        return CurrentRank(next(i for i, r in enumerate(self._rank.logical_ranks) if r not in new))
+
+    @property
+    def committed(self) -> bool:
+        return self._rank._job._fabric.committed
+
+    def note_commit(self) -> None:
+        with self._rank._job._cv:
+            self._rank._job._fabric.streak, self._rank._job._fabric.committed = 0, True
+
+    @property
+    def ended(self) -> bool:
+        return self._rank._ended
+
+    def fail(self, kind: str, message: str) -> NoReturn:
         """This rank fails alone (an injected kill, ``sys.exit`` in the program): the others recover."""
-        self.events.emit("error", scope="rank", kind=kind, message=message)
-        self._job._kill(self.logical)
+        rank = self._rank
+        rank.events.emit("error", scope="rank", kind=kind, message=message)
+        rank._job._kill(rank.logical)
         raise _Killed()
 
 

@@ -63,7 +63,7 @@ class StepClock:
                           world.size, world.generation)
 
     def _due(self, step: int, total: int | None) -> bool:
-        config, now = self._world.settings, time.monotonic()
+        config, now = self._world.job.settings, time.monotonic()
         due = step == total or bool(config.progress_every and step % config.progress_every == 0) or \
             bool(config.progress_seconds and now - self._shown >= config.progress_seconds)
         if due:
@@ -188,7 +188,7 @@ class State:
                                        "(a bug, please report it)"))
         if versions[0] is None:
             shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
-            self._apply(world.bcast(shared, root=world.first_survivor))
+            self._apply(world.bcast(shared, root=world.job.first_survivor))
             self.commit()
         self._clock.restart()
 
@@ -197,7 +197,7 @@ class State:
         recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first).
         ``step``: the steps done, so the loop is now at step ``step``: the point where the fault
         schedule's ``R@step`` entries fire, unless the program calls ``world.fault_point`` itself."""
-        self._world.step_point(step)
+        self._world.fault_point(step, implied=True)
         self._clock.step_done(step, loss, total, **metrics)
 
     # ------------------------------------------------------------ internals

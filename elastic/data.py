@@ -87,7 +87,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         for step in range(start, end):
             # The fault schedule's R@step, for a loop that marks no steps itself (with prefetching
             # workers the sampler runs ahead of the loop, and so does this point).
-            self.world.step_point(step)
+            self.world.fault_point(step, implied=True)
             yield self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
 
     def __len__(self) -> int:

@@ -130,7 +130,7 @@ class DistributedDataParallel:
             self._ddp = None  # its reducer belongs to the old group
             group = self._pg.group
             self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._options)
-            if self._world.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
+            if self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
                 self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
         return self._ddp(*args, **kwargs)
 
@@ -139,7 +139,7 @@ def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Futu
     """DDP's default all-reduce (torch's own hook: the same bits), after the
     ``collective`` fault point of the step the World is at: ``1@c20`` kills rank 1 in the middle
     of step 20's backward, inside DDP's all-reduce."""
-    world.fault_point(world.step, "collective")
+    world.fault_point(world.job.step, "collective")
     group = dist.group.WORLD  # the default group: the one DDP wraps
     assert group is not None
     return default_hooks.allreduce_hook(group, bucket)

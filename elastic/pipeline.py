@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elastic.comm import Group, ProcessFailure, Role, Unrecoverable, World, agreed
+from elastic.comm import Group, LogicalRank, ProcessFailure, Role, Unrecoverable, World, agreed
 from elastic.recovery import LR_BOOST, checkfree_average, plan_stage_recovery
 
 from ._state import StepClock, TorchState
@@ -54,7 +54,7 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
     while True:
         try:
             if pending:
-                step = world.bcast(step, root=world.first_survivor)  # newcomers learn where the others are
+                step = world.bcast(step, root=world.job.first_survivor)  # newcomers learn where the others are
                 step = rebuild(lost) or step
                 pending = False
                 clock.restart()
@@ -65,7 +65,7 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
                 loss, ok = compute(step), True
             except ProcessFailure:
                 loss, ok = float("nan"), False
-                world.interrupt()  # peers waiting on this rank's messages must not wait for ever
+                world.mpi.interrupt()  # peers waiting on this rank's messages must not wait for ever
             world.vote(ok, "a stage could not finish the step")
             apply(step)
             step += 1
@@ -88,7 +88,7 @@ def stage_state(world: Group, stage: Any, optimizer: Any, **values: Any) -> Torc
     """
     me = int(world.logical_rank)
     return TorchState(world, modules={f"s{me}": (stage, optimizer)}, local=tuple(f"s{s}" for s in range(
-        world.initial_size)), adopt=lambda removed, survivors: {
+        world.job.initial_size)), adopt=lambda removed, survivors: {
             r: min(survivors, key=lambda s: (abs(s - r), s)) for r in removed}, **values)
 
 
@@ -135,7 +135,7 @@ class StageRebuild:
         sends = {}
         for part, owner, keeper in (("embed", 0, 1), ("head", self.stages - 1, self.stages - 2)):
             if me == owner:
-                sends[int(self.world.current_rank_of(keeper))] = (part, _arrays(getattr(stage, part)))
+                sends[self.world.logical_ranks.index(LogicalRank(keeper))] = (part, _arrays(getattr(stage, part)))
         for got in self.world.alltoall(sends):
             if got is not None:
                 self.copies[got[0]] = got[1]
@@ -153,7 +153,7 @@ class StageRebuild:
         world = self.world
         sends: dict[int, list] = {}
         for rebuilt in (r for r in plan if r.method != "replica" and me in r.sources):
-            sends.setdefault(int(world.current_rank_of(rebuilt.stage)), []).append(
+            sends.setdefault(world.logical_ranks.index(LogicalRank(rebuilt.stage)), []).append(
                 (me, _arrays(stage.body), grad_norm, _moments(stage, optimizer) if self.average_moments else {},
                  self.copies))
         received = [item for got in world.alltoall(sends) if got for item in got]

@@ -12,7 +12,8 @@ A pytest plugin (entry point ``elastic``): once ulfm-elastic is installed the
 ``python -m elastic.launch`` with ``--timeout`` and a subprocess timeout above
 it, so a hang fails the test instead of stalling the suite. ``Job`` gives the
 launcher's exit status and output, and the run directory's events, outcomes,
-sentinel fates and the program's result (``World.record_result``).
+sentinel fates and the program's result (its ``result`` event:
+``world.events.emit("result", ...)``).
 
 Multi-rank pytest-mpi suites (``mpiexec --with-ft ulfm -n N python -m pytest
 --with-mpi``): a test that fails on some ranks only would leave the others
@@ -79,7 +80,7 @@ class Job:
 
     @property
     def result(self) -> dict:
-        """What the program recorded as its result (``World.record_result``); fails the test if none."""
+        """What the program recorded as its result (its ``result`` event); fails the test if none."""
         result = read_result(self.run_dir)
         assert result is not None, f"the program recorded no result:\n{self.output[-3000:]}"
         return result

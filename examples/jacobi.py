@@ -31,7 +31,7 @@ def make_system(n_shards: int, rows: int, seed: int) -> tuple[np.ndarray, np.nda
 def owners(world: elastic.World) -> dict[int, int]:
     """shard -> current rank: a shard stays with its logical rank, orphans are dealt round-robin."""
     active = list(world.logical_ranks)
-    orphans = [s for s in range(world.initial_size) if s not in active]
+    orphans = [s for s in range(world.job.initial_size) if s not in active]
     table = {int(logical): current for current, logical in enumerate(active)}
     for i, shard in enumerate(orphans):
         table[shard] = i % len(active)
@@ -40,15 +40,15 @@ def owners(world: elastic.World) -> dict[int, int]:
 
 def step_once(world: elastic.World, a: np.ndarray, b: np.ndarray, x: np.ndarray, rows: int, step: int) -> np.ndarray:
     owner = owners(world)
-    mine = np.zeros((world.initial_size, rows))
+    mine = np.zeros((world.job.initial_size, rows))
     for shard, current in owner.items():
         if current == world.rank:
             r = slice(shard * rows, (shard + 1) * rows)
             diag = np.diag(a)[r]
             mine[shard] = (b[r] - a[r] @ x + diag * x[r]) / diag
-    gathered = np.empty((world.size, world.initial_size, rows))
-    world.Allgather(mine, gathered, step=step)
-    return np.concatenate([gathered[owner[s], s] for s in range(world.initial_size)])
+    gathered = np.empty((world.size, world.job.initial_size, rows))
+    world.mpi.Allgather(mine, gathered, step=step)
+    return np.concatenate([gathered[owner[s], s] for s in range(world.job.initial_size)])
 
 
 def resync(world: elastic.World, step: int, x: np.ndarray, x_prev: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
@@ -57,7 +57,7 @@ def resync(world: elastic.World, step: int, x: np.ndarray, x_prev: np.ndarray) -
     agreed = min(s for s in steps if s is not None)
     if world.role is not Role.RECOVERED and step > agreed:  # one step ahead: roll back
         step, x = agreed, x_prev
-    x = world.bcast(x, root=world.first_survivor)
+    x = world.bcast(x, root=world.job.first_survivor)
     return agreed, x, x
 
 
@@ -69,7 +69,7 @@ def main() -> int:
     args = parser.parse_args()
 
     world = elastic.init()
-    a, b = make_system(world.initial_size, args.rows, args.seed)
+    a, b = make_system(world.job.initial_size, args.rows, args.seed)
     x = x_prev = np.zeros(len(b))
     step = 0
     needs_sync = world.role is Role.RECOVERED
@@ -87,19 +87,19 @@ def main() -> int:
         except elastic.ProcessFailure:
             rebuild = world.recover()
             needs_sync = True
-            if world.rank == world.first_survivor:
+            if world.rank == world.job.first_survivor:
                 ms = {k: round(v * 1e3, 1) for k, v in rebuild.durations.items()}
                 lost = sorted(map(int, rebuild.failed))
                 print(f"[jacobi] generation {rebuild.generation}: lost logical ranks {lost}, "
                       f"rebuilt by {rebuild.mode} in {ms['total']} ms {ms}; now {world.size} active ranks, "
-                      f"{world.spares} spares", flush=True)
+                      f"{world.job.spares} spares", flush=True)
 
     if world.rank == 0:
         residual = float(np.linalg.norm(a @ x - b))
         digest = hashlib.sha256(x.tobytes()).hexdigest()
         print(f"[jacobi] {step} steps on {world.size} ranks (generation {world.generation}): "
               f"residual {residual:.3e}, x sha256 {digest[:16]}", flush=True)
-        world.record_result(steps=step, size=world.size, generation=world.generation,
+        world.events.emit("result", steps=step, size=world.size, generation=world.generation,
                             logical_ranks=[int(r) for r in world.logical_ranks], x_sha256=digest, residual=residual)
     return 0
 

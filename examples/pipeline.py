@@ -99,13 +99,13 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
                batch: torch.Tensor, args: argparse.Namespace) -> float:
     """Forward and backward of one global batch through the pipeline (collective over the stages); returns
     the batch loss on every rank, leaves the gradients in the hosted stages. Hops on one rank stay local."""
-    comm = world.comm
+    comm = world.mpi.comm
     mine = int(world.rank)
     micro = batch.chunk(args.micro)
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     loss_sum = 0.0
     shape = (micro[0].shape[0], args.seq, args.dim)
-    with world.guard():
+    with world.mpi.guard():
         for m, tokens in enumerate(micro):
             path = route(m, stages, args.checkfree_plus)
             for j, (part, s) in enumerate(path):
@@ -210,7 +210,7 @@ def main() -> int:
         no_shrink = tuple(m for m in policy.modes if m != "shrink") or ("spare", "spawn")
         policy = dataclasses.replace(policy, modes=no_shrink)
     world = elastic.init(policy=policy)
-    stages, me = world.initial_size, int(world.logical_rank)
+    stages, me = world.job.initial_size, int(world.logical_rank)
     args.checkpoint_dir = args.checkpoint_dir or os.environ.get("ELASTIC_RUN_DIR", ".")
     stage = Stage(me, stages, args)
     optimizer = torch.optim.Adam(stage.parameters(), lr=args.lr)
@@ -254,7 +254,7 @@ def main() -> int:
     report = sorted((r for part in world.allgather(mine) for r in part), key=lambda r: r["stage"])
     if world.rank == 0:
         print(f"[pipeline] {steps} steps, {stages} stages, recovery {args.recovery}, generation {world.generation}")
-        world.record_result(steps=steps, stages=report, generation=world.generation)
+        world.events.emit("result", steps=steps, stages=report, generation=world.generation)
     return 0
 
 

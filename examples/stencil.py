@@ -10,7 +10,7 @@ after every reset, and a halo between two slabs on one rank is a copy. Each
 cell's update has the same arithmetic whoever computes it, so the final rod is
 bitwise the failure-free run's in every rebuild mode.
 
-The halos go through ``World.neighbors`` (``Isend``/``Irecv``/``Waitall``): a dead
+The halos go through ``world.mpi.neighbors`` (``Isend``/``Irecv``/``Waitall``): a dead
 neighbour, or one that began a recovery (it revokes the communicator), is a
 ``ProcessFailure`` on every rank waiting for it, never a crash inside MPI.
 
@@ -49,7 +49,7 @@ def step_once(world: elastic.World, state: elastic.State, owner: dict[int, int],
             else:
                 receives.append((owner[neighbour], 2 * s + side, halo[s][side:side + 1]))
                 sends.append((owner[neighbour], 2 * neighbour + 1 - side, np.ascontiguousarray(edge)))
-    world.neighbors(sends, receives)
+    world.mpi.neighbors(sends, receives)
     for s in slabs:
         u = state[f"slab.{s}"]
         padded = np.concatenate(([halo[s][0]], u, [halo[s][1]]))
@@ -65,7 +65,7 @@ def main() -> int:
 
     world = elastic.init()
     me = int(world.logical_rank)
-    x = (np.arange(args.cells) + me * args.cells) / (world.initial_size * args.cells)
+    x = (np.arange(args.cells) + me * args.cells) / (world.job.initial_size * args.cells)
     state = elastic.State(world, local=("slab",), step=0, **{f"slab.{me}": np.sin(np.pi * x) + (x > 0.5)})
     owner: dict[int, int] = {}
 
@@ -90,7 +90,7 @@ def main() -> int:
     digest = solve(world, state)
     if world.rank == 0:
         print(f"[stencil] {state.step} steps on {world.size} ranks: rod sha256 {digest[:16]}", flush=True)
-        world.record_result(steps=state.step, size=world.size, rod_sha256=digest,
+        world.events.emit("result", steps=state.step, size=world.size, rod_sha256=digest,
                             logical_ranks=[int(r) for r in world.logical_ranks])
     return 0
 

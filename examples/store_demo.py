@@ -68,7 +68,7 @@ def main() -> int:
         flat = [c for rank_checks in all_checks for c in rank_checks]
         print(f"[store] version {version} on {world.size} ranks (generation {world.generation}); "
               f"verified {sum(c['ok'] for c in flat)}/{len(flat)} restored states bit for bit", flush=True)
-        world.record_result(version=version, size=world.size, generation=world.generation,
+        world.events.emit("result", version=version, size=world.size, generation=world.generation,
                             logical_ranks=[int(r) for r in world.logical_ranks], checks=flat)
     return 0
 

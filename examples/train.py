@@ -89,8 +89,8 @@ def local_loss(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y:
     elastic.allreduce_gradients(world, model, step=step)
     # Loss, and a fingerprint of which samples the ranks used (count, sum, sum of squares).
     tally = np.array([float(local), len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
-    with world.guard():
-        world.comm.Allreduce(MPI.IN_PLACE, tally)
+    with world.mpi.guard():
+        world.mpi.comm.Allreduce(MPI.IN_PLACE, tally)
     return float(tally[0]), tally[1:].tolist()
 
 
@@ -120,7 +120,7 @@ def report(world: elastic.World, state: elastic.State, loss: float, **fields: ob
         return
     print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
           f"loss {loss:.6f}, model sha256 {fields.get('model_sha256')}", flush=True)
-    world.record_result(steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
+    world.events.emit("result", steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
                         logical_ranks=[int(r) for r in world.logical_ranks], **fields)
 
 

@@ -51,7 +51,7 @@ def main() -> int:
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))
     n_params = sum(p.numel() for p in model.parameters())
-    bounds = np.linspace(0, n_params, world.initial_size + 1).astype(int)  # shard s: [bounds[s], bounds[s+1])
+    bounds = np.linspace(0, n_params, world.job.initial_size + 1).astype(int)  # shard s: [bounds[s], bounds[s+1])
     me = int(world.logical_rank)
     size = int(bounds[me + 1] - bounds[me])
     state = elastic.TorchState(world, model=model, replication=args.replication, local=("adam",), step=0,

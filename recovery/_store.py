@@ -102,7 +102,7 @@ class ReplicatedStore:
         arrays may change right after ``commit`` returns and ``restore`` gives the committed bytes."""
         if replication < 1:
             raise ConfigError(f"replication={replication}: need at least 1 (2 survives one failure)")
-        if world.alone:
+        if world.job.alone:
             replication = 1  # a single process run for debugging: no peer to hold a copy
         if replication > world.size:
             raise ConfigError(f"replication={replication} with {world.size} active ranks: a state cannot have "
@@ -119,8 +119,8 @@ class ReplicatedStore:
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
-        self._backing: Backing = backing("" if world.alone else world.settings.node_store, int(world.logical_rank),
-                                         rollback_copy, lambda: world.ended)
+        self._backing: Backing = backing("" if world.job.alone else world.job.settings.node_store,
+                                         int(world.logical_rank), rollback_copy, lambda: world.job.ended)
 
     # ------------------------------------------------------------ user calls
     @property
@@ -193,7 +193,7 @@ class ReplicatedStore:
             self._attach()
         statuses = world.allgather(self._status())
         numbers = {s[0] for s in statuses if s[0] is not None}
-        if not numbers and world.committed:  # every process that held a version died: the same everywhere
+        if not numbers and world.job.committed:  # every process that held a version died: the same everywhere
             lost = DataLost({r: [] for r in active})
             world.events.emit("data_lost", lost=lost.lost)
             raise agreed(lost)
@@ -249,8 +249,9 @@ class ReplicatedStore:
                 world.events.emit("replication_reduced", replication=self.replication, ranks=len(layout.ranks))
             # What goes to each holder, announced with the payload's size: O(pieces) per peer.
             notes: dict[int, list[tuple[int, int, int, int]]] = {}
+            current = {int(r): i for i, r in enumerate(world.logical_ranks)}
             for p in mine:
-                notes.setdefault(world.current_rank_of(p.holder), []).append((p.copy, p.first, p.count, total))
+                notes.setdefault(current[p.holder], []).append((p.copy, p.first, p.count, total))
             told = world.alltoall(notes)
             outgoing: dict[int, list[np.ndarray]] = {p.holder: [] for p in mine}
             for p in mine:
@@ -290,9 +291,9 @@ class ReplicatedStore:
         t4 = time.perf_counter()
         old = self._current
         payload = self._backing.keep(version, segments, total, old.payloads.get(me) if old else None,
-                                     old.buffer if old else None, world.host_peers)
+                                     old.buffer if old else None, world.job.host_peers)
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
-        world.note_commit()
+        world.job.note_commit()
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
                           durations={"prepare": t1 - t0, "exchange": t2 - t1, "checksum": t3 - t2,
                                      "vote": t4 - t3, "pack": time.perf_counter() - t4},
@@ -320,8 +321,8 @@ class ReplicatedStore:
             ranks = [int(r) for r in world.logical_ranks]
             if self._domains is not None:
                 domain_of = {r: self._domains[r] for r in ranks}
-            elif world.settings.domains:
-                names = world.settings.domains
+            elif world.job.settings.domains:
+                names = world.job.settings.domains
                 domain_of = {r: names[r % len(names)] for r in ranks}
             else:
                 domain_of = dict(zip(ranks, world.allgather(socket.gethostname())))
@@ -365,7 +366,7 @@ class ReplicatedStore:
                                layout_of)
         world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
         if chosen is not None:
-            world.note_commit()  # a version this job committed: losing it later is DataLost
+            world.job.note_commit()  # a version this job committed: losing it later is DataLost
             if chosen in offers:
                 self._keep(chosen, *offers[chosen])
 

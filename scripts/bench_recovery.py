@@ -118,8 +118,8 @@ def worker(args: argparse.Namespace) -> int:
                     os.fsync(f.fileno())
                 tmp.replace(ckpt / f"rank{int(world.logical_rank)}.pt")
                 world.events.emit("checkpoint_saved", seconds=time.perf_counter() - t, step=state.step)
-                with world.guard():  # a checkpoint counts once every rank has written its part
-                    world.comm.Barrier()
+                with world.mpi.guard():  # a checkpoint counts once every rank has written its part
+                    world.mpi.comm.Barrier()
 
     if ckpt is None:
         elastic.run(train)(world, state)

@@ -84,7 +84,7 @@ def _memory() -> tuple[int, int]:
 
 def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
     """Seconds for a ring Sendrecv of ``buf`` (median of 3) and for a memcpy of it (collective)."""
-    comm = world.comm
+    comm = world.mpi.comm
     recv = np.empty_like(buf)
     recv[:] = 0  # touched: the bandwidth of the wire, not of page faults
     right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
@@ -110,7 +110,7 @@ def worker(mb: int, rollback_copy: bool) -> int:
     # Allocated, and touched, before a spare parks in init(): a program builds its model first.
     state = {"weights": np.zeros(nbytes // 8)}
     world = elastic.init()
-    comm = world.comm
+    comm = world.mpi.comm
     run_dir = Path(os.environ["ELASTIC_RUN_DIR"])
     if world.role is not elastic.Role.RECOVERED:
         state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
@@ -132,14 +132,14 @@ def worker(mb: int, rollback_copy: bool) -> int:
             (run_dir / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            with world.guard():
+            with world.mpi.guard():
                 comm.Barrier()
             raise SystemExit("rank 1 was killed but the barrier completed")
         except elastic.ProcessFailure:
             pass
         rebuild = world.recover()
         out["rebuild_s"] = rebuild.durations["total"]
-    comm = world.comm
+    comm = world.mpi.comm
     store.recover()
     mine = store.restore()["weights"]
     state["weights"][...] = mine  # the roll-back, in place, as State.restore does

@@ -229,7 +229,8 @@ class _FakeWorld:
         self.rank, self.size = rank, size
         self.steps: list[int] = []  # the step points the sampler passed
 
-    def step_point(self, step: int) -> None:
+    def fault_point(self, step: int, point: str = "step", *, implied: bool = False) -> None:
+        assert point == "step" and implied
         self.steps.append(step)
 
 

@@ -26,8 +26,8 @@ def test_initial_world_maps_logical_to_current(world):
     assert world.size == MPI.COMM_WORLD.Get_size()
     assert int(world.logical_rank) == int(world.rank) == MPI.COMM_WORLD.Get_rank()
     assert world.logical_ranks == tuple(range(world.size))
-    assert world.current_rank_of(world.size - 1) == world.size - 1
-    assert world.first_survivor == 0
+    assert world.logical_ranks.index(world.size - 1) == world.size - 1
+    assert world.job.first_survivor == 0
 
 
 @pytest.mark.mpi(min_size=2)
@@ -36,23 +36,24 @@ def test_local_rank_and_torchrun_variables(world):
 
     # One host here: every rank on it, numbered by logical rank (Open MPI's own local numbering
     # follows its mapping, not the ranks), and torchrun's variables in current ranks.
-    assert world.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"]) == world.size
-    assert world.local_rank == int(world.logical_rank)
+    assert world.job.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"]) == world.size
+    assert world.job.local_rank == int(world.logical_rank)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(world.rank), str(world.size))
-    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == (str(world.local_rank), str(world.local_size))
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == \
+        (str(world.job.local_rank), str(world.job.local_size))
     assert str(elastic.device(world)) == "cpu"
 
 
 @pytest.mark.mpi(min_size=2)
 def test_allgather_over_the_active_comm(world):
     out = np.empty((world.size, 3))
-    world.Allgather(np.full(3, float(world.rank)), out, step=0)
+    world.mpi.Allgather(np.full(3, float(world.rank)), out, step=0)
     assert (out == np.arange(world.size)[:, None]).all()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_revocation_reaches_every_rank_as_process_failure(world):
-    comm = world.comm.Dup()
+    comm = world.mpi.comm.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     # Revoking while a peer is still inside Dup crashes Open MPI 5.0 (seen here): let everyone finish it.
     # The wait is on another communicator: a barrier on `comm` itself can still be running on one rank
@@ -74,5 +75,5 @@ def test_no_communicator_of_the_library_aborts_on_an_error(world):
     """MPI_ERRORS_ARE_FATAL anywhere would turn a peer's death into this rank's abort: every
     communicator the library uses, and COMM_SELF (what an MPI call with no communicator, such as
     a request's completion, reports to), return errors instead."""
-    for comm in (MPI.COMM_SELF, MPI.COMM_WORLD, world.comm, world.universe):
+    for comm in (MPI.COMM_SELF, MPI.COMM_WORLD, world.mpi.comm, world.mpi.universe):
         assert comm.Get_errhandler() == MPI.ERRORS_RETURN, comm

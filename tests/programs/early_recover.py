@@ -13,5 +13,5 @@ for step in range(10):
         world.vote(True)
     except ProcessFailure:
         world.recover()
-world.record_result(generation=world.generation, size=world.size)
+world.events.emit("result", generation=world.generation, size=world.size)
 world.finish()

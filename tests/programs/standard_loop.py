@@ -64,7 +64,7 @@ def main() -> int:
 
     loss = train(world, state)
     if world.rank == 0:
-        world.record_result(steps=state.step, final_loss=loss, model_sha256=digest(model.state_dict()),
+        world.events.emit("result", steps=state.step, final_loss=loss, model_sha256=digest(model.state_dict()),
                             optimizer_sha256=digest(optimizer.state_dict()))
     return 0
 
