@@ -51,10 +51,6 @@ class LaunchPlan:
     mpiexec: str | None = None
     quiet: bool = False
 
-    @property
-    def spans_hosts(self) -> bool:
-        return len(self.hosts) > 1
-
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
     """Pair Slurm's expanded node list with SLURM_TASKS_PER_NODE (e.g. '2(x3),1') (local)."""
@@ -77,8 +73,7 @@ def slurm_allocation() -> list[tuple[str, int]]:
     return slurm_slots(tasks, hosts)
 
 
-def parse_args(argv: list[str] | None = None) -> LaunchPlan:
-    """The launch plan of a command line; a wrong option exits (2) naming it and what to give."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m elastic.launch", description=DESCRIPTION)
     parser.add_argument("-n", "--nprocs", type=int, help="active ranks (with --slurm: the allocation's "
                         "tasks minus --spares)")
@@ -125,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
                       help="no progress lines, no command echo: warnings, the deaths and the verdict only")
     talk.add_argument("--verbose", action="store_true", help="log every event of every process as it happens")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> LaunchPlan:
+    """The launch plan of a command line; a wrong option exits (2) naming it and what to give."""
+    parser = _parser()
     raw = parser.parse_args(argv)
     command = tuple(raw.command[1:] if raw.command and raw.command[0] == "--" else raw.command)
     if not command:

@@ -243,7 +243,8 @@ class _Events:
 
 class SimRank:
     """One simulated rank: a ``Group`` (what the store, ``State`` and the loops use), plus what
-    ``elastic.run`` drives (``recover``, ``finish``, and ``job.fail``)."""
+    ``elastic.run`` and ``elastic.pipeline.roll_forward`` drive (``recover``, ``finish``,
+    ``job.fail``, ``mpi.interrupt``)."""
 
     def __init__(self, job: SimJob, logical: int, role: Role) -> None:
         self._job, self.logical, self._role = job, logical, role
@@ -253,6 +254,7 @@ class SimRank:
         self._ended = False
         self.events = _Events(self)
         self.job = _SimJobView(self)
+        self.mpi = _SimMpi()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -364,6 +366,14 @@ class SimRank:
         self.vote(True, "a rank died before the end")
         self._ended = True
         self.events.emit("finished")
+
+
+class _SimMpi:
+    """``rank.mpi``: no communicator to call; ``interrupt`` has nothing to do, since a simulated
+    rank's peers never wait on its messages (a failure fails every rank's next collective alike)."""
+
+    def interrupt(self) -> None:
+        pass
 
 
 class _SimJobView:

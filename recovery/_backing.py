@@ -46,9 +46,9 @@ class Backing(Protocol):
         right after (``manifest(payload)`` describes the version)."""
 
     def keep(self, version: int, segments: list[np.ndarray], total: int, old: Payload | None,
-             old_buffer: np.ndarray | None, peers: list[int]) -> Payload:
+             old_buffer: np.ndarray | None, peers: Callable[[], list[int]]) -> Payload:
         """After the vote: this rank's roll-back payload of ``version`` (``old`` and ``old_buffer``
-        are the retired version's, free to reuse; ``peers`` the logical ranks on this node)."""
+        are the retired version's, free to reuse; ``peers()`` the logical ranks on this node)."""
 
     def abandon(self, current: int | None) -> None:
         """The vote failed: nothing of the new version stays; ``current`` is still the one."""
@@ -82,7 +82,7 @@ class ProcessMemory:
         pass  # a process that dies takes its memory with it: nothing to keep beforehand
 
     def keep(self, version: int, segments: list[np.ndarray], total: int, old: Payload | None,
-             old_buffer: np.ndarray | None, peers: list[int]) -> Payload:
+             old_buffer: np.ndarray | None, peers: Callable[[], list[int]]) -> Payload:
         return _pack(segments, total, old)  # after the vote: a failed commit copies nothing
 
     def abandon(self, current: int | None) -> None:
@@ -105,7 +105,7 @@ class CallerArrays(ProcessMemory):
         return spare if spare is not None and spare.nbytes == nbytes else np.empty(nbytes, np.uint8)
 
     def keep(self, version: int, segments: list[np.ndarray], total: int, old: Payload | None,
-             old_buffer: np.ndarray | None, peers: list[int]) -> Payload:
+             old_buffer: np.ndarray | None, peers: Callable[[], list[int]]) -> Payload:
         self._spare = old_buffer
         return segments
 
@@ -132,12 +132,13 @@ class NodeMemory:
         self.files.seal(version, manifest(self._staged))
 
     def keep(self, version: int, segments: list[np.ndarray], total: int, old: Payload | None,
-             old_buffer: np.ndarray | None, peers: list[int]) -> Payload:
+             old_buffer: np.ndarray | None, peers: Callable[[], list[int]]) -> Payload:
         payload, self._staged = self._staged, None
         assert payload is not None, "keep() without stage()"
         self.files.retire(version)
-        if peers and peers[0] == self._logical:  # every rank sealed this version: ranks gone from here go
-            self.files.prune(set(peers))
+        here = peers()
+        if here and here[0] == self._logical:  # every rank sealed this version: ranks gone from here go
+            self.files.prune(set(here))
         return payload
 
     def abandon(self, current: int | None) -> None:

@@ -291,7 +291,7 @@ class ReplicatedStore:
         t4 = time.perf_counter()
         old = self._current
         payload = self._backing.keep(version, segments, total, old.payloads.get(me) if old else None,
-                                     old.buffer if old else None, world.job.host_peers)
+                                     old.buffer if old else None, lambda: world.job.host_peers)
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
         world.job.note_commit()
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
