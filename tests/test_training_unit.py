@@ -15,6 +15,7 @@ from elastic._handlers import from_array, kind_of, to_array
 from elastic._handlers import join_value as _join_value
 from elastic._handlers import split_value as _split_value
 from elastic.comm import Outlook, RebuildContext
+from elastic.comm.faults import InjectedFault
 from elastic.recovery import Policy
 from elastic.report import ettr, timeline, trace
 from elastic.testing import SimJob
@@ -224,23 +225,14 @@ def test_the_state_keeps_its_own_names():
 
 
 # ------------------------------------------------------------------ batches
-class _FakeWorld:
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-        self.steps: list[int] = []  # the step points the sampler passed
-
-    def fault_point(self, step: int, point: str = "step", *, implied: bool = False) -> None:
-        assert point == "step" and implied
-        self.steps.append(step)
-
-
 @settings(max_examples=50, deadline=None)
 @given(samples=st.integers(10, 300), batch=st.integers(1, 10), step=st.integers(0, 200), size=st.integers(1, 7))
 def test_global_batch_is_the_same_at_any_world_size(samples, batch, step, size):
     batches = elastic.GlobalBatches(samples, batch, seed=3)
     whole = batches.batch(step)
     assert len(whole) == batch
-    shards = [batches.shard(step, _FakeWorld(r, size)) for r in range(size)]
+    job = SimJob(size)
+    shards = [batches.shard(step, job.rank(r)) for r in range(size)]
     assert np.array_equal(np.concatenate(shards), whole)
 
 
@@ -253,9 +245,9 @@ def test_batches_walk_whole_epochs_across_batch_boundaries():
         elastic.GlobalBatches(4, 5)
 
 
-def _sampler(rank: int, size: int, step: int = 0):
+def _sampler(rank: int, size: int, step: int = 0, inject: str = ""):
     from elastic.data import GlobalBatchSampler
-    return GlobalBatchSampler(_FakeWorld(rank, size), 50, 8, step=lambda: step, seed=4)
+    return GlobalBatchSampler(SimJob(size, inject=inject).rank(rank), 50, 8, step=lambda: step, seed=4)
 
 
 def test_sampler_epochs_and_global_batches_at_any_world_size():
@@ -301,7 +293,10 @@ def test_a_dataloader_iterator_made_after_a_recovery_does_not_shift_the_random_n
     torch.manual_seed(5)
     batch = next(iter(loader))[0]
     assert torch.equal(torch.rand(4), expected)
-    assert batch.tolist() == sampler.shard(2) and sampler.world.steps == [2]  # and the step is a fault point
+    assert batch.tolist() == sampler.shard(2)
+    armed = _sampler(1, 3, step=2, inject="1@2:raise")  # and the step is a fault point
+    with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
+        next(iter(torch.utils.data.DataLoader(dataset, batch_sampler=armed)))
 
 
 def test_progress_lines_every_n_steps_or_seconds(caplog, monkeypatch):
