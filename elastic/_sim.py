@@ -56,6 +56,7 @@ class _Fabric:
     rebuild: Rebuild | None = None
     streak: int = 0
     committed: bool = False
+    revoked: bool = False  # a rank interrupted this generation: every collective in it fails
 
 
 class SimJob:
@@ -166,12 +167,14 @@ class SimJob:
             f = self._fabric
             if rank.generation != f.generation:
                 raise ProcessFailure("this rank's generation is gone (a rebuild happened)")
+            if f.revoked:
+                raise ProcessFailure("a rank interrupted this generation")
             key = (f.generation, rank._sequence)
             rank._sequence += 1
             slot = f.slots.setdefault(key, {})
             slot[rank.logical] = value
             self._cv.notify_all()
-            self._wait(lambda: len(slot) == len(f.active), lambda: bool(f.dead))
+            self._wait(lambda: len(slot) == len(f.active), lambda: bool(f.dead) or f.revoked)
             f.readers[key] = f.readers.get(key, 0) + 1
             if f.readers[key] == len(f.active):
                 del f.slots[key], f.readers[key]
@@ -212,7 +215,7 @@ class SimJob:
         streak = f.streak + 1
         f.generation += 1
         f.active = sorted(live + replaced)
-        f.dead, f.arrived, f.slots, f.readers = set(), set(), {}, {}
+        f.dead, f.arrived, f.slots, f.readers, f.revoked = set(), set(), {}, {}, False
         f.streak = streak
         if pending or not f.active:  # the same stop as the real rebuild's, on every rank
             self._stop = agreed(Unrecoverable(f"logical ranks {pending or lost} were lost and cannot be filled: "
@@ -254,7 +257,7 @@ class SimRank:
         self._ended = False
         self.events = _Events(self)
         self.job = _SimJobView(self)
-        self.mpi = _SimMpi()
+        self.mpi = _SimMpi(self)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -369,11 +372,18 @@ class SimRank:
 
 
 class _SimMpi:
-    """``rank.mpi``: no communicator to call; ``interrupt`` has nothing to do, since a simulated
-    rank's peers never wait on its messages (a failure fails every rank's next collective alike)."""
+    """``rank.mpi``: no communicator to call, only ``interrupt``, a revoke: every collective of
+    this generation fails, on every rank, from now on (one already complete stays complete)."""
+
+    def __init__(self, rank: SimRank) -> None:
+        self._rank = rank
 
     def interrupt(self) -> None:
-        pass
+        job = self._rank._job
+        with job._cv:
+            if self._rank.generation == job._fabric.generation:
+                job._fabric.revoked = True
+            job._cv.notify_all()
 
 
 class _SimJobView:

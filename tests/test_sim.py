@@ -92,3 +92,41 @@ def test_a_software_error_in_one_rank_is_that_ranks_failure():
     job = SimJob(4, spares=1, inject="2@4:raise")
     got = job.run(_main())
     assert [e["mode"] for e in job.of("rebuilt")] == ["spare"] and sorted(got) == [0, 1, 2, 3]
+
+
+def _pipeline(refuse_at: int | None = None, steps: int = 8):
+    """Each rank a stage: ``applied`` is the updates it made, ``lost`` what each rebuild asked it to
+    bring back; stage 2's part of step ``refuse_at`` fails once."""
+    from elastic.comm import ProcessFailure
+    from elastic.pipeline import roll_forward
+
+    def main(world):
+        applied, lost, failed = [], [], []
+
+        def compute(step):
+            world.allreduce([np.zeros(1)], step=step)  # the collective every stage takes part in
+            if int(world.logical_rank) == 2 and step == refuse_at and not failed:
+                failed.append(step)  # once, after the others' part of the step is done
+                raise ProcessFailure("the last stage's backward failed")
+            return 0.0
+
+        done = roll_forward(world, steps, compute, applied.append, rebuild=lambda gone: lost.append(sorted(gone)))
+        return done, applied, lost
+    return main
+
+
+def test_a_pipeline_step_lands_on_every_stage_or_on_none():
+    """roll_forward's rule: a stage whose part of step 4 failed votes it down, so no stage applies
+    it; every stage then goes on from step 4, and each update lands exactly once."""
+    job = SimJob(3)
+    got = job.run(_pipeline(refuse_at=4))
+    assert got == {r: (8, list(range(8)), [[]]) for r in range(3)}
+    assert [(e["failed"], e["mode"]) for e in job.of("rebuilt")] == [([], "none")]
+
+
+def test_a_lost_stage_is_rebuilt_on_every_rank_and_resumes_at_the_step_in_flight():
+    job = SimJob(3, spares=1, inject="1@c5")  # inside step 5's collective: nobody applies step 5
+    got = job.run(_pipeline())
+    assert {r: got[r][1] for r in (0, 2)} == {0: list(range(8)), 2: list(range(8))}
+    assert got[1] == (8, [5, 6, 7], [[1]])  # the replacement: from the step in flight
+    assert got[0][2] == got[2][2] == [[1]]  # every stage was told which one to bring back
