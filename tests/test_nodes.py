@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import assert_bitwise, launch
@@ -365,6 +366,32 @@ def test_node_files_are_private_and_only_this_jobs_are_read(tmp_path):
     assert files.dir.exists() and not other.dir.exists()
     files.remove()
     assert not (tmp_path / "elastic-job1").exists()
+
+
+def test_the_node_backing_keeps_only_voted_versions_and_finds_them_again(tmp_path):
+    """Tier 2's part of a commit without MPI: staged before the vote, kept (older versions and
+    ranks gone from the node removed) or abandoned after it; a relaunch finds what was kept."""
+    from elastic.recovery._backing import NodeMemory
+    sums = lambda a: [int(a.sum())]  # noqa: E731  (a stand-in checksum, per payload)
+    node = NodeMemory(str(tmp_path / "elastic-job1"), 3, ended=lambda: False)
+    gone = NodeMemory(str(tmp_path / "elastic-job1"), 5, ended=lambda: False)  # its process died here
+    for version in (1, 2):
+        node.receive_buffer(8, version)[:] = version
+        segments = [np.full(4, version, np.uint8), np.full(4, 10 * version, np.uint8)]
+        node.stage(version, segments, 8, lambda payload: {
+            "owner": 3, "chunk_bytes": 64, "replication": 2, "own": {"nbytes": 8, "sums": sums(payload)},
+            "held": {"nbytes": 8}})
+        if version == 1:
+            assert node.keep(1, segments, 8, None, None, lambda: [3]).tolist() == [1] * 4 + [10] * 4
+    node.abandon(1)  # version 2's vote failed: version 1 stays, alone
+    assert sorted(p.name for p in node.files.dir.iterdir()) == ["v1.held", "v1.json", "v1.own"]
+    assert not gone.files.dir.exists()  # pruned by the node's first rank when version 1 was kept
+    found = node.found(3, 64, 2, sums)
+    assert list(found) == [1] and found[1][1].tolist() == [1] * 4 + [10] * 4 and found[1][2].tolist() == [1] * 8
+    assert node.found(3, 128, 2, sums) == {}  # another chunk size: another store's versions
+    (node.files.dir / "v1.own").write_bytes(bytes(8))  # damaged: the payload is not offered, the copies are
+    again = node.found(3, 64, 2, sums)
+    assert again[1][1] is None and again[1][2].tolist() == [1] * 8
 
 
 def test_a_relaunch_travels_in_the_environment():
