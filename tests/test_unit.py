@@ -185,6 +185,34 @@ def test_a_forged_message_builds_nothing(forged):
         wire.decode(framed.copy())
 
 
+def test_the_layers_meet_only_through_public_modules_and_comm_has_no_import_circle():
+    """elastic uses recovery uses comm, never upwards, never through another package's private
+    module; inside comm no module imports one that imports it (TYPE_CHECKING imports counted)."""
+    import ast
+
+    import networkx as nx
+    root = Path(__file__).resolve().parents[1]
+    package = {"elastic": "elastic", "recovery": "elastic.recovery", "comm": "elastic.comm"}
+    below = {"elastic": {"elastic.recovery", "elastic.comm"}, "recovery": {"elastic.comm"}, "comm": set()}
+    wrong, circle = [], nx.DiGraph()
+    for folder, name in package.items():
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                        node.module.startswith("elastic"):
+                    top = next((p for p in ("elastic.recovery", "elastic.comm") if node.module.startswith(p)),
+                               "elastic")
+                    private = node.module.removeprefix(top).lstrip(".").startswith("_")
+                    if top != name and (top not in below[folder] or private):
+                        wrong.append(f"{folder}/{path.name}: from {node.module} import ...")
+                if folder == "comm" and isinstance(node, ast.ImportFrom) and node.level == 1:
+                    for target in [node.module] if node.module else [a.name for a in node.names]:
+                        if (root / "comm" / f"{target.split('.')[0]}.py").exists():
+                            circle.add_edge(path.stem, target.split(".")[0])
+    assert not wrong
+    assert not list(nx.simple_cycles(circle))
+
+
 def test_the_product_never_unpickles_or_calls_mpi4py_object_methods():
     """pickle is not imported, and no communicator's lowercase (pickling) method is called: every
     value between processes goes through ``wire`` (the fault test checks the same at run time)."""
