@@ -100,7 +100,7 @@ def main() -> int:
         print(f"[jacobi] {step} steps on {world.size} ranks (generation {world.generation}): "
               f"residual {residual:.3e}, x sha256 {digest[:16]}", flush=True)
         world.events.emit("result", steps=step, size=world.size, generation=world.generation,
-                            logical_ranks=[int(r) for r in world.logical_ranks], x_sha256=digest, residual=residual)
+                          logical_ranks=[int(r) for r in world.logical_ranks], x_sha256=digest, residual=residual)
     return 0
 
 

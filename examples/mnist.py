@@ -74,8 +74,8 @@ def main() -> None:
         print(f"[mnist] done: {state.step} steps on {world.size} ranks, loss {loss:.6f}, "
               f"model sha256 {digest(model.state_dict())}", flush=True)
         world.events.emit("result", steps=state.step, size=world.size, final_loss=loss,
-                            model_sha256=digest(model.state_dict()), optimizer_sha256=digest(optimizer.state_dict()),
-                            scheduler_lr=scheduler.get_last_lr()[0], scaler_scale=scaler.get_scale())
+                          model_sha256=digest(model.state_dict()), optimizer_sha256=digest(optimizer.state_dict()),
+                          scheduler_lr=scheduler.get_last_lr()[0], scaler_scale=scaler.get_scale())
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def main() -> int:
     if world.rank == 0:
         print(f"[stencil] {state.step} steps on {world.size} ranks: rod sha256 {digest[:16]}", flush=True)
         world.events.emit("result", steps=state.step, size=world.size, rod_sha256=digest,
-                            logical_ranks=[int(r) for r in world.logical_ranks])
+                          logical_ranks=[int(r) for r in world.logical_ranks])
     return 0
 
 

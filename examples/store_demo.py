@@ -69,7 +69,7 @@ def main() -> int:
         print(f"[store] version {version} on {world.size} ranks (generation {world.generation}); "
               f"verified {sum(c['ok'] for c in flat)}/{len(flat)} restored states bit for bit", flush=True)
         world.events.emit("result", version=version, size=world.size, generation=world.generation,
-                            logical_ranks=[int(r) for r in world.logical_ranks], checks=flat)
+                          logical_ranks=[int(r) for r in world.logical_ranks], checks=flat)
     return 0
 
 

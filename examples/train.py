@@ -121,7 +121,7 @@ def report(world: elastic.World, state: elastic.State, loss: float, **fields: ob
     print(f"[train] done: {state.step} steps on {world.size} ranks, generation {world.generation}, "
           f"loss {loss:.6f}, model sha256 {fields.get('model_sha256')}", flush=True)
     world.events.emit("result", steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
-                        logical_ranks=[int(r) for r in world.logical_ranks], **fields)
+                      logical_ranks=[int(r) for r in world.logical_ranks], **fields)
 
 
 def main() -> int:

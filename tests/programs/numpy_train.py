@@ -63,8 +63,8 @@ def main() -> int:
         print(f"[numpy_train] done: {state.step} steps on {world.size} ranks, loss {loss:.6f}, "
               f"model sha256 {model}", flush=True)
         world.events.emit("result", steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
-                            logical_ranks=[int(r) for r in world.logical_ranks], model_sha256=model,
-                            optimizer_sha256=optimizer)
+                          logical_ranks=[int(r) for r in world.logical_ranks], model_sha256=model,
+                          optimizer_sha256=optimizer)
     return 0
 
 

@@ -65,7 +65,7 @@ def main() -> int:
     loss = train(world, state)
     if world.rank == 0:
         world.events.emit("result", steps=state.step, final_loss=loss, model_sha256=digest(model.state_dict()),
-                            optimizer_sha256=digest(optimizer.state_dict()))
+                          optimizer_sha256=digest(optimizer.state_dict()))
     return 0
 
 
