@@ -130,3 +130,30 @@ def test_a_lost_stage_is_rebuilt_on_every_rank_and_resumes_at_the_step_in_flight
     assert {r: got[r][1] for r in (0, 2)} == {0: list(range(8)), 2: list(range(8))}
     assert got[1] == (8, [5, 6, 7], [[1]])  # the replacement: from the step in flight
     assert got[0][2] == got[2][2] == [[1]]  # every stage was told which one to bring back
+
+
+def test_a_loss_the_policy_cannot_fill_stops_every_rank_naming_why():
+    job = SimJob(4, inject="1@5,2@5", rebuild=("shrink",), min_size=3)
+    with pytest.raises(elastic.Unrecoverable, match="below min_size=3"):
+        job.run(_main())
+    assert not job.of("finished")
+
+
+def test_state_that_differs_across_ranks_is_refused_on_every_rank_and_the_last_version_kept():
+    def main(world):
+        state = elastic.State(world, w=np.zeros(4), step=0)
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                drift = 1e-9 if int(world.logical_rank) == 2 and state.step == 5 else 0.0
+                state.w = state.w + 1 + drift
+                state.step += 1
+                state.commit()
+        return train(world, state)
+    job = SimJob(4)
+    with pytest.raises(elastic.ConfigError, match=r"'w' on logical ranks \[2\] differs") as refused:
+        job.run(main)
+    assert "last version is kept" in str(refused.value) and not job.of("finished")
+    committed = {r: [e["version"] for e in job.of("committed") if e["logical"] == r] for r in range(4)}
+    assert committed == {r: [0, 1, 2, 3, 4, 5] for r in range(4)}  # step 6's, refused, replaced nothing anywhere

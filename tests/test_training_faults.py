@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_bitwise, fault, launch
+from conftest import assert_bitwise, launch
 from elastic.report import ettr, final_steps, timeline
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)
-FAULTY = ("tests/programs/faulty_train.py",)  # train.py with a bug injected by the test
 ZERO = ("examples/zero1.py",)
 NO_DROPOUT = ("--dropout", "0")
 
@@ -190,30 +189,3 @@ def test_cost_model_spawns_when_shrinking_costs_more(tmp_path, reference):
     assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
     row = single_rebuild(job)
     assert row["mode"] == "spawn" and "spawning 0.00 s" in row["reason"]
-
-
-def test_state_that_differs_across_ranks_is_refused_on_every_rank(tmp_path):
-    job = launch(tmp_path, 4, program=FAULTY, env=fault("diverge", rank=2, step=7))
-    assert job.rc == 1, job.output
-    messages = {o["message"] for o in job.outcomes if o["status"] == "error"}
-    assert len(job.outcomes) == 4 and len(messages) == 1, job.outcomes
-    (message,) = messages
-    assert "'model.0.weight' on logical ranks [2] differs" in message and "last version is kept" in message
-    assert not job.has_result
-
-
-def test_more_failures_than_the_policy_allows(tmp_path):
-    job = launch(tmp_path, 4, "--rebuild", "shrink", "--min-size", "3", "--inject", "1@5,2@5", program=TRAIN)
-    assert job.rc == 1, job.output
-    errors = [o for o in job.outcomes if o["status"] == "error"]
-    assert len(errors) == 2 and {o["kind"] for o in errors} == {"Unrecoverable"}
-    assert all("below min_size=3" in o["message"] for o in errors)
-    assert {e["reason"] for e in job.of("decision")} == {errors[0]["message"].removeprefix("cannot rebuild: ")}
-
-
-def test_failures_in_a_row_without_a_commit_stop_the_job(tmp_path):
-    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@13,2@restore/g1",
-                 program=TRAIN + ("--replication", "3"), env={"ELASTIC_MAX_FAILURES": "1"})
-    assert job.rc == 1, job.output
-    errors = [o for o in job.outcomes if o["status"] == "error"]
-    assert errors and all("2 failures in a row without a successful commit" in o["message"] for o in errors)
