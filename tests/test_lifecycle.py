@@ -245,6 +245,18 @@ def test_a_hung_parked_spare_is_killed_and_does_not_block_the_exit(tmp_path, ref
 
 
 # ------------------------------------------------------------------ stops every process takes
+def test_failures_in_a_row_without_a_commit_stop_every_process_alike(tmp_path):
+    """A kill, then another in the recovery: two rebuilds without a commit between them. The count
+    travels with the agreed rebuild summary, so the promoted spares stop with the survivors."""
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@13,2@restore/g1",
+                 program=NUMPY + ("--replication", "3"), env={"ELASTIC_MAX_FAILURES": "1"})
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert sorted(o["logical"] for o in errors) == [0, 1, 2, 3], job.outcomes
+    assert all("2 failures in a row without a successful commit (max_failures=1)" in o["message"] for o in errors)
+    assert not job.has_result
+
+
 def test_losing_both_holders_with_spares_left_stops_every_process_with_data_lost(tmp_path):
     job = launch(tmp_path, 4, "--spares", "3", "--inject", "1@5,2@5", program=NUMPY)
     assert job.rc == 1, job.output
