@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 import numpy as np
 
 from ._config import Config
+from ._errors import Unrecoverable, agreed
 from ._ranks import CurrentRank, LogicalRank, Role
 
 if TYPE_CHECKING:
@@ -103,3 +104,13 @@ class Group(Protocol):
     def events(self) -> EventSink: ...
     @property
     def job(self) -> Job: ...
+
+
+def first_survivor(group: Group) -> CurrentRank:
+    """The lowest current rank of ``group`` that lived through its last rebuild: a safe root to
+    resync from (local; the same on every rank). What a ``Job``'s ``first_survivor`` gives."""
+    new = group.last_rebuild.replaced if group.last_rebuild else frozenset()
+    for current, logical in enumerate(group.logical_ranks):
+        if logical not in new:
+            return CurrentRank(current)
+    raise agreed(Unrecoverable("no active rank survived: every holder of the job's state is gone"))

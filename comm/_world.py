@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from . import _collectives, _spares
 from ._config import Config
-from ._group import Settings
+from ._group import Settings, first_survivor
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from .events import EventLog
 from .faults import FaultInjector, Injection
@@ -407,12 +407,7 @@ class WorldJob:
     @property
     def first_survivor(self) -> CurrentRank:
         """The lowest current rank that lived through the last rebuild: a safe root to resync from."""
-        world = self._world
-        new = world.last_rebuild.replaced if world.last_rebuild else frozenset()
-        for current, logical in enumerate(world.logical_ranks):
-            if logical not in new:
-                return CurrentRank(current)
-        raise agreed(Unrecoverable("no active rank survived: every holder of the job's state is gone"))
+        return first_survivor(self._world)
 
     @property
     def committed(self) -> bool:

@@ -4,15 +4,17 @@ tests of this project, not for training programs (those see ``elastic`` and ``el
 One public door instead of reaching into comm's private modules: the relaunch
 record the launcher hands every process, the membership table's spare marker,
 the rebuild modes, the sentinel's bound for a stopped sentinel, how a tool
-keeps MPI uninitialized, how a package loads its names on first use, and how to
-tell an agreed error (raised alike on every rank) from a local one. Importing
+keeps MPI uninitialized, how a package loads its names on first use, how to
+tell an agreed error (raised alike on every rank) from a local one, and a
+``Group``'s first survivor (for anything that implements the contract). Importing
 it starts no MPI.
 """
 from ._config import MODES, Relaunch
 from ._errors import is_agreed
+from ._group import first_survivor
 from ._lazy import keep_mpi_uninitialized, lazy_exports
 from ._ranks import SPARE
 from ._watchdog import STOPPED_SENTINEL_SECONDS
 
-__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "is_agreed", "keep_mpi_uninitialized",
-           "lazy_exports"]
+__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "first_survivor", "is_agreed",
+           "keep_mpi_uninitialized", "lazy_exports"]

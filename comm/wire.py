@@ -97,24 +97,12 @@ def decode(buffer: np.ndarray) -> Any:
     """
     if buffer.nbytes == 0:
         return None
-    try:
-        length = int.from_bytes(buffer[:8].tobytes(), "little")
-        doc = json.loads(buffer[8:8 + length].tobytes())
-        _check_schema(doc)
-        start = -(-(8 + length) // _ALIGN) * _ALIGN
-        arrays = {}
-        for path, kind, shape, offset, nbytes in doc["arrays"]:
-            if offset < 0 or start + offset + nbytes > buffer.nbytes:
-                raise ValueError(f"array {path!r} lies outside the message")
-            arrays[str(path)] = _from_raw(buffer[start + offset:start + offset + nbytes], str(kind),
-                                          tuple(int(s) for s in shape))
-        return _decode(doc["value"], lambda path, kind: arrays[path])
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _foreign("a message from a peer", exc) from None
+    return decode_prefix(buffer)[0]
 
 
-def encoded_size(buffer: np.ndarray) -> int:
-    """Bytes that the message ``encode`` wrote at the start of ``buffer`` takes (local).
+def decode_prefix(buffer: np.ndarray) -> tuple[Any, int]:
+    """(the value, the bytes its message takes) of the message ``encode`` wrote at the start of
+    ``buffer``, whatever follows it (local): a payload's header, say.
 
     Raises:
         ConfigError: the buffer does not start with one.
@@ -123,8 +111,15 @@ def encoded_size(buffer: np.ndarray) -> int:
         length = int.from_bytes(buffer[:8].tobytes(), "little")
         doc = json.loads(buffer[8:8 + length].tobytes())
         _check_schema(doc)
-        end = max((offset + nbytes for _, _, _, offset, nbytes in doc["arrays"]), default=0)
-        return -(-(8 + length) // _ALIGN) * _ALIGN + int(end)
+        start = -(-(8 + length) // _ALIGN) * _ALIGN
+        arrays, end = {}, start
+        for path, kind, shape, offset, nbytes in doc["arrays"]:
+            if offset < 0 or start + offset + nbytes > buffer.nbytes:
+                raise ValueError(f"array {path!r} lies outside the message")
+            arrays[str(path)] = _from_raw(buffer[start + offset:start + offset + nbytes], str(kind),
+                                          tuple(int(s) for s in shape))
+            end = max(end, start + offset + nbytes)
+        return _decode(doc["value"], lambda path, kind: arrays[path]), end
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _foreign("a message from a peer", exc) from None
 

@@ -31,7 +31,7 @@ from elastic.comm import (
     Config, ConfigError, CurrentRank, Group, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Role,
     Settings, Unrecoverable, agreed, wire,
 )
-from elastic.comm.runtime import is_agreed
+from elastic.comm.runtime import first_survivor, is_agreed
 from elastic.comm.faults import InjectedFault, parse_schedule
 from elastic.recovery import Policy
 
@@ -411,9 +411,7 @@ class _SimJobView:
 
     @property
     def first_survivor(self) -> CurrentRank:
-        rebuild = self._rank.last_rebuild
-        new = rebuild.replaced if rebuild else frozenset()
-        return CurrentRank(next(i for i, r in enumerate(self._rank.logical_ranks) if r not in new))
+        return first_survivor(self._rank)
 
     @property
     def committed(self) -> bool:

@@ -249,7 +249,8 @@ class ReplicatedStore:
                 world.events.emit("replication_reduced", replication=self.replication, ranks=len(layout.ranks))
             # What goes to each holder, announced with the payload's size: O(pieces) per peer.
             notes: dict[int, list[tuple[int, int, int, int]]] = {}
-            current = {int(r): i for i, r in enumerate(world.logical_ranks)}
+            ranks = world.logical_ranks  # built from the membership table: read once
+            current = {int(r): i for i, r in enumerate(ranks)}
             for p in mine:
                 notes.setdefault(current[p.holder], []).append((p.copy, p.first, p.count, total))
             told = world.alltoall(notes)
@@ -257,7 +258,7 @@ class ReplicatedStore:
             for p in mine:
                 outgoing[p.holder].extend(_slices(segments, *self._span(p.first, p.count, total)))
             # The copies arrive, in current-rank order, in one buffer: a view of it per piece.
-            spans = [(int(world.logical_ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
+            spans = [(int(ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
                      for r, got in enumerate(told) for copy, first, count, size in got or []]
             buffer = self._backing.receive_buffer(sum(span[-1] for span in spans), version)
             held: dict[tuple[int, int, int], _Held] = {}
@@ -534,9 +535,10 @@ def _read_header(payload: Payload) -> list[_Field]:
         payload = payload[0]
     if payload.nbytes < 8:
         return []
-    size = -(-wire.encoded_size(payload) // _ALIGN) * _ALIGN
+    fields, framed = wire.decode_prefix(payload)
+    size = -(-framed // _ALIGN) * _ALIGN
     return [_Field(int(o), str(n), str(d), tuple(int(x) for x in s), int(off) + size, int(nb))
-            for o, n, d, s, off, nb in wire.decode(payload)]
+            for o, n, d, s, off, nb in fields]
 
 
 def _fields_of(payload: Payload, owner: int) -> dict[str, np.ndarray]:

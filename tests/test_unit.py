@@ -167,7 +167,8 @@ def test_control_messages_round_trip_through_the_wire_format():
     assert back["arrays"]["t"].dtype == torch.bfloat16 and torch.equal(back["arrays"]["t"], value["arrays"]["t"])
     assert wire.decode(wire.encode(None)) is None and wire.encode(None).nbytes == 0
     framed = wire.encode(value)  # a message at the head of a longer buffer (a payload's header): its size
-    assert wire.encoded_size(np.concatenate([framed, np.ones(100, np.uint8)])) == framed.nbytes
+    head, size = wire.decode_prefix(np.concatenate([framed, np.ones(100, np.uint8)]))
+    assert size == framed.nbytes and head["summary"] == summary
 
 
 @pytest.mark.parametrize("forged", [
