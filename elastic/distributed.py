@@ -39,7 +39,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic.comm import World
 
+from . import _mpigroup
 from ._loop import register_data_plane
+from ._mpigroup import BACKEND
 
 # A peer gone, or one that did not answer within the group's timeout (a stopped process: the
 # recovery's agreement then waits for the sentinel to kill it).
@@ -64,10 +66,11 @@ class ProcessGroup:
 
     def __init__(self, world: World, backend: str | None = None, timeout: float = 60.0) -> None:
         self.world = world
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else BACKEND)
         self.timeout = datetime.timedelta(seconds=timeout)
         self._generation: int | None = None
         self._store: Any = None
+        self._mpi: _mpigroup.MPIGroup | None = None
 
     @property
     def group(self) -> Any:
@@ -81,6 +84,28 @@ class ProcessGroup:
         return self._generation != self.world.generation
 
     def _make(self) -> None:
+        world = self.world
+        if self.backend == BACKEND:
+            self._adopt_mpi_group()
+        else:
+            self._make_with_store()
+        self._generation = world.generation
+
+    def _adopt_mpi_group(self) -> None:
+        """The World's communicator as the default group: the one already made while the World keeps
+        its shape (its communicator is looked up at each call), else a new one (local, no rendezvous)."""
+        world = self.world
+        kept = self._mpi is not None and dist.is_initialized() and dist.group.WORLD is self._mpi \
+            and (self._mpi.size(), self._mpi.rank()) == (world.size, world.rank)
+        if not kept:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._mpi = _mpigroup.MPIGroup(world)
+            _mpigroup.install(self._mpi, self.timeout)
+        world.events.emit("process_group", backend=self.backend, size=world.size, generation=world.generation,
+                          kept=kept)
+
+    def _make_with_store(self) -> None:
         world = self.world
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -97,7 +122,6 @@ class ProcessGroup:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
                                 timeout=self.timeout)
-        self._generation = world.generation
         world.events.emit("process_group", backend=self.backend, size=world.size, generation=world.generation)
 
 
@@ -121,18 +145,61 @@ class DistributedDataParallel:
         self.module = module
         self._world = world
         self._pg = process_group or ProcessGroup(world)
-        self._options = ddp_options if "bucket_cap_mb" in ddp_options or "bucket_cap_mb_list" in ddp_options \
-            else {**ddp_options, "bucket_cap_mb_list": [1e-6]}
+        self._options = ddp_options
         self._ddp: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None or self._pg.stale:
             self._ddp = None  # its reducer belongs to the old group
             group = self._pg.group
-            self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._options)
-            if self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
+            options = self._options
+            if not isinstance(group, _mpigroup.MPIGroup) and not {"bucket_cap_mb", "bucket_cap_mb_list"} & set(options):
+                options = {**options, "bucket_cap_mb_list": [1e-6]}  # one parameter per bucket: see above
+            self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **options)
+            if isinstance(group, _mpigroup.MPIGroup):
+                self._ddp.register_comm_hook(_Gradients(group, self.module), _gradients_hook)
+            elif self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
                 self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
         return self._ddp(*args, **kwargs)
+
+
+class _Gradients:
+    """DDP's gradients on the World's communicator: one all-reduce per backward, over the
+    gradients laid out by parameter, not by bucket.
+
+    DDP hands its buckets over one by one as the backward makes them; each waits here until the
+    last, then all go in one flat all-reduce. One meeting of the ranks per step, not one per
+    bucket (each costs a round of every rank, dear where ranks share cores); and every gradient
+    element sits at the same place in it whatever DDP's bucket layout (a fresh wrapper's first
+    step has another layout than its later ones), so a rank's sums never depend on a re-wrap."""
+
+    def __init__(self, group: _mpigroup.MPIGroup, module: torch.nn.Module) -> None:
+        self.group = group
+        self._order = {p.data_ptr(): i for i, p in enumerate(module.parameters())}
+        self._waiting: list[tuple[Any, torch.futures.Future]] = []
+
+    def hook(self, bucket: Any) -> torch.futures.Future:
+        if bucket.index() == 0:
+            self._waiting = []  # what a backward that failed half-way left
+        future: torch.futures.Future = torch.futures.Future()
+        self._waiting.append((bucket, future))
+        if bucket.is_last():
+            waiting, self._waiting = self._waiting, []
+            grads = sorted((self._order[p.data_ptr()], g) for b, _ in waiting
+                           for p, g in zip(b.parameters(), b.gradients()))
+            flat = torch.cat([g.reshape(-1) for _, g in grads]).div_(self.group.size())  # torch's mean
+            self.group.allreduce([flat])
+            offset = 0
+            for _, g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            for b, done in waiting:
+                done.set_result(b.buffer())
+        return future
+
+
+def _gradients_hook(state: _Gradients, bucket: Any) -> torch.futures.Future:
+    return state.hook(bucket)
 
 
 def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Future:
@@ -146,6 +213,7 @@ def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Futu
 
 
 # DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
+_gradients_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 _allreduce_with_fault_point.__annotations__ = {"bucket": dist.GradBucket,
                                                "return": torch.futures.Future[torch.Tensor]}
 
@@ -153,8 +221,8 @@ _allreduce_with_fault_point.__annotations__ = {"bucket": dist.GradBucket,
 def abort() -> None:
     """Destroy the current group at once (local): after a failure, so that peers blocked in one of
     its collectives see their connections close and join the recovery instead of waiting."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized() and not isinstance(dist.group.WORLD, _mpigroup.MPIGroup):
+        dist.destroy_process_group()  # the World's revoke ends the collectives of an MPI group
 
 
 register_data_plane(is_peer_failure, abort)

@@ -38,7 +38,8 @@ def main() -> int:
                         help="seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model trains (cuda: this rank's GPU, elastic.device)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
+    parser.add_argument("--backend", choices=("ulfm", "gloo", "nccl"),
+                        help="default: nccl on cuda, ulfm on cpu (the World's communicator)")
     args = parser.parse_args()
     if args.device == "cuda":  # bitwise runs need deterministic cuBLAS kernels
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -55,7 +56,7 @@ def main() -> int:
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
     ddp = elastic.distributed.DistributedDataParallel(
         world, model, elastic.distributed.ProcessGroup(
-            world, backend=args.backend or ("nccl" if device.type == "cuda" else "gloo"), timeout=args.group_timeout))
+            world, backend=args.backend or ("nccl" if device.type == "cuda" else "ulfm"), timeout=args.group_timeout))
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:

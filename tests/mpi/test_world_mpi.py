@@ -13,13 +13,6 @@ from elastic.comm import ProcessFailure
 from elastic.comm._errors import mpi_errors
 
 
-@pytest.fixture(scope="module")
-def world():
-    world = elastic.init(spares=0)
-    yield world
-    world.finish()  # a rank that ends without finish() counts as failed: the others would wait for it
-
-
 @pytest.mark.mpi(min_size=2)
 def test_initial_world_maps_logical_to_current(world):
     assert world.generation == 0 and world.role is elastic.Role.INITIAL
