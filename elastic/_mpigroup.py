@@ -37,6 +37,7 @@ _OPS = {dist.ReduceOp.SUM: MPI.SUM, dist.ReduceOp.AVG: MPI.SUM, dist.ReduceOp.MA
         dist.ReduceOp.MIN: MPI.MIN, dist.ReduceOp.PRODUCT: MPI.PROD, dist.ReduceOp.BAND: MPI.BAND,
         dist.ReduceOp.BOR: MPI.BOR, dist.ReduceOp.BXOR: MPI.BXOR}
 _WIDENED = (torch.bfloat16, torch.float16)  # no MPI arithmetic on them: reduced in float32
+_abandoned: list[list[MPI.Request]] = []  # requests a failure interrupted
 
 
 class MPIGroup(dist.ProcessGroup):
@@ -45,6 +46,7 @@ class MPIGroup(dist.ProcessGroup):
     def __init__(self, world: World) -> None:
         super().__init__(world.rank, world.size)  # type: ignore[call-arg]  # the stub lacks this overload
         self._world = world
+        self._group_name = ""
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -52,11 +54,17 @@ class MPIGroup(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND
 
+    def getGroupName(self) -> str:  # DeviceMesh (FSDP2) finds a group by its name
+        return self._group_name
+
+    def getGroupDesc(self) -> str:
+        return "the World's active ranks"
+
     # ------------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts)
         bufs = [_Buffer(t, reduce=True) for t in tensors]
-        self._run(lambda comm: [comm.Iallreduce(MPI.IN_PLACE, b.array, op=_OPS[op]) for b in bufs])
+        self._run(lambda comm: [comm.Iallreduce(MPI.IN_PLACE, b.array, op=_OPS[op]) for b in bufs], reduction=True)
         for b in bufs:
             b.done(self.size() if op == dist.ReduceOp.AVG else 1)
         return _work(tensors)
@@ -69,7 +77,7 @@ class MPIGroup(dist.ProcessGroup):
         bufs = [_Buffer(t, reduce=True) for t in tensors]
         mine = self.rank() == root
         self._run(lambda comm: [comm.Ireduce(MPI.IN_PLACE if mine else b.array, b.array if mine else None,
-                                             op=_OPS[op], root=root) for b in bufs])
+                                             op=_OPS[op], root=root) for b in bufs], reduction=True)
         for b in bufs:
             b.done(self.size() if op == dist.ReduceOp.AVG and mine else 1)
         return _work(tensors)
@@ -78,7 +86,7 @@ class MPIGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         out, inp = _Buffer(output, reduce=True), _Buffer(input, reduce=True)
         self._check_chunks(out, inp)
-        self._one("Ireduce_scatter_block", inp.array, out.array, op=_OPS[op])
+        self._run(lambda comm: [comm.Ireduce_scatter_block(inp.array, out.array, op=_OPS[op])], reduction=True)
         out.done(self.size() if op == dist.ReduceOp.AVG else 1)
         return _work([output])
 
@@ -178,15 +186,22 @@ class MPIGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ----------------------------------------------------------- the common
-    def _run(self, start: Callable[[MPI.Intracomm], list[MPI.Request]]) -> None:
-        """Post the requests, fire the ``collective`` fault point with them in flight, wait for all
-        (a peer's death or a revoke: ``ProcessFailure`` from ``guard``)."""
+    def _run(self, start: Callable[[MPI.Intracomm], list[MPI.Request]], reduction: bool = False) -> None:
+        """Post the requests and wait for all (a peer's death or a revoke: ``ProcessFailure`` from
+        ``guard``). A ``reduction`` (DDP's all-reduce, FSDP2's reduce-scatter) fires the
+        ``collective`` fault point of the World's step with them in flight: ``1@c20`` stops rank 1
+        inside step 20's first one."""
         self._check_shape()
         world = self._world
         with world.mpi.guard():
             requests = start(world.mpi.comm)
-            world.fault_point(world.job.step, "collective")
-            MPI.Request.Waitall(requests)
+            try:
+                if reduction:
+                    world.fault_point(world.job.step, "collective")
+                MPI.Request.Waitall(requests)
+            except BaseException:
+                _abandoned.append(requests)  # MPI may still write their buffers (they hold them): never freed
+                raise
 
     def _one(self, call: str, *args: Any, **kwargs: Any) -> None:
         """``_run`` of one non-blocking call of the communicator, by name."""
@@ -269,3 +284,4 @@ def install(group: MPIGroup, timeout: Any) -> None:
     _pending.append(group)
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=group.rank(), world_size=group.size(),
                             timeout=timeout)
+    group._group_name = dist.distributed_c10d._world.pg_names[group]

@@ -1,30 +1,25 @@
-"""torch.distributed over the World: a process group per generation, and DDP that follows it.
+"""torch.distributed on the World: its communicator as a process group, DDP that follows the
+generations, and DCP into peers' memory.
 
-ULFM is the control plane (it sees a death, agrees on who is left, rebuilds);
-``torch.distributed`` is the data plane users already write against. After
-``elastic.init()`` and after every rebuild, ``ProcessGroup`` makes a new
-default process group over the active ranks in current-rank order (logical
-order), bootstrapped through the World: current rank 0 opens a ``TCPStore``
-on a free port and broadcasts its address over MPI, so nothing else needs to
-be set. The old group is destroyed first (a Gloo group whose peer died in the
-middle of a collective goes without waiting). ``DistributedDataParallel``
-wraps a model in torch's DDP over the current group and wraps it again after
-each rebuild; the optimizer and the State keep the same parameters.
+ULFM is the control plane (it sees a death, agrees on who is left, rebuilds) and, on CPU, the
+data plane too: ``ProcessGroup`` makes the default process group a ``ulfm`` group
+(``_mpigroup``: each collective non-blocking MPI on the World's communicator), so a death or a
+revoke ends DDP's, FSDP2's and DCP's collectives on every rank at once, and a stopped peer is
+bounded by the sentinel's hang bound, never by a group timeout. It is kept through a
+substitution (same shape, the communicator looked up at each call) and made again after a shrink.
+``DistributedDataParallel`` wraps a model in torch's DDP over the current group in each new
+generation, one all-reduce per backward on the ``ulfm`` group. ``PeerMemory`` (``_dcp``) is a
+DCP storage in the State's replicated store.
 
-A collective of the group that fails because a peer died (Gloo reports the
-closed connection at once) raises in the program; ``elastic.run`` treats it
-as the ``ProcessFailure`` the MPI side would raise (``is_peer_failure``), so
-the job recovers as usual. A stopped peer is found by the sentinel's
-heartbeat (``--hang-timeout``), which kills it: its connections close and the
-group's collectives fail at once. CPU: Gloo. NCCL (``backend="nccl"``, the
-default where CUDA is present) is the GPU path: its watchdog is set to abort
-the communicator and raise in the program on a timeout or a peer's error
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) instead of ending the process, so the
-rank joins the recovery. Written, and tested only where a GPU is (none here:
-``tests/test_gpu.py`` skips, saying so).
-
-Multi-node: rank 0's address is its hostname's; Gloo picks its interface from
-the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
+``backend="gloo"`` keeps torch's Gloo, bootstrapped through the World (current rank 0 opens a
+``TCPStore`` on a free port and broadcasts its address over MPI) and made again after every
+rebuild; its collectives fail at once on a closed connection, but torch 2.13's Gloo has no abort:
+a rank waiting for a peer that left for the recovery leaves at the group's timeout. NCCL
+(``backend="nccl"``, the default where CUDA is present) is the GPU path: its watchdog raises in
+the program (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) instead of ending the process, and ``abort``
+aborts its communicators. Written, and tested only where a GPU is (none here: ``tests/test_gpu.py``
+skips, saying so). Multi-node Gloo: rank 0's address is its hostname's; Gloo picks its interface
+from the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
 """
 from __future__ import annotations
 
@@ -40,8 +35,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from elastic.comm import World
 
 from . import _mpigroup
+from ._dcp import NothingSaved, PeerMemory
 from ._loop import register_data_plane
 from ._mpigroup import BACKEND
+
+__all__ = ["ProcessGroup", "DistributedDataParallel", "PeerMemory", "NothingSaved", "is_peer_failure", "abort"]
 
 # A peer gone, or one that did not answer within the group's timeout (a stopped process: the
 # recovery's agreement then waits for the sentinel to kill it).
@@ -57,12 +55,14 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 class ProcessGroup:
-    """The default ``torch.distributed`` group over the World's active ranks, made again after each
-    rebuild (collective when it is made: every active rank reaches ``group`` at the same point).
+    """The default ``torch.distributed`` group over the World's active ranks, in current-rank order.
 
-    ``timeout``: how long one of the group's collectives may wait; after a failure, the bound on a
-    rank waiting for a peer that left the collective for the recovery (and a healthy collective
-    must not wait longer than this for its slowest rank)."""
+    ``backend``: ``"ulfm"`` (the default on CPU: the World's communicator, kept through a
+    substitution, made again, locally, after a shrink), ``"gloo"`` or ``"nccl"`` (the default
+    where CUDA is present), made again after every rebuild (collective then: every active rank
+    reaches ``group`` at the same point). ``timeout`` (Gloo, NCCL): how long one of their
+    collectives may wait; after a failure, the bound on a Gloo rank waiting for a peer that left
+    for the recovery (and a healthy collective must not wait longer for its slowest rank)."""
 
     def __init__(self, world: World, backend: str | None = None, timeout: float = 60.0) -> None:
         self.world = world
@@ -219,10 +219,18 @@ _allreduce_with_fault_point.__annotations__ = {"bucket": dist.GradBucket,
 
 
 def abort() -> None:
-    """Destroy the current group at once (local): after a failure, so that peers blocked in one of
-    its collectives see their connections close and join the recovery instead of waiting."""
-    if dist.is_initialized() and not isinstance(dist.group.WORLD, _mpigroup.MPIGroup):
-        dist.destroy_process_group()  # the World's revoke ends the collectives of an MPI group
+    """Let go of the current group at once (local), after a failure: peers blocked in one of its
+    collectives leave it for the recovery instead of waiting. The ``ulfm`` group needs nothing
+    (the World's revoke ends its collectives, and a substitution keeps it); NCCL's communicators
+    are aborted (torch's ``_abort_process_group``: no wait on a kernel a dead peer never joins);
+    a Gloo group is destroyed (torch 2.13's Gloo has no abort: a peer in its collective leaves at
+    the group's timeout)."""
+    if not dist.is_initialized() or isinstance(dist.group.WORLD, _mpigroup.MPIGroup):
+        return
+    if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 register_data_plane(is_peer_failure, abort)

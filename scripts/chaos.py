@@ -8,8 +8,12 @@ replication level (2 or 3) and one or two victims: where they fail (a step, the
 middle of a gradient all-reduce, the middle of a commit, inside the rebuild or
 the spawn, while sending recovery data, inside ``finish()``, or a parked spare)
 and how (SIGKILL, ``os._exit(3)``, an exception, SIGSTOP, a stall). It runs
-``examples/train.py`` (dropout off) on 4 ranks under the launcher with a bound,
-and checks the outcome:
+``examples/train.py`` (dropout off; ``--program ddp`` / ``fsdp``: the same
+training with torch's DDP, or FSDP2 with DCP into peer memory, on the ``ulfm``
+process group) on 4 ranks under the launcher with a bound, and checks the
+outcome. ``--collective-kills``: every run instead SIGKILLs one random rank at a
+random step inside that step's first reduction (DDP's gradient all-reduce,
+FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise:
 
 * finished, with a spare or a spawned process: model and optimizer bitwise the
   failure-free run's; after a shrink: the loss within 1e-5 (relative);
@@ -39,7 +43,8 @@ from elastic.comm.events import read_events, read_outcomes, read_result  # noqa:
 from elastic.recovery import place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
-PROGRAM = ("examples/train.py", "--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
+PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py"}
+ARGS = ("--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
 HANG_TIMEOUT, PROGRESS_TIMEOUT = 5, 5
 ACTIONS = ("kill", "kill", "exit", "raise", "hang")  # SIGKILL is what clusters meet most
 
@@ -96,6 +101,12 @@ def draw(rng: random.Random) -> Scenario:
     return Scenario(mode, rebuild, spares, rng.choice((2, 3)), ",".join(entries), stall)
 
 
+def draw_collective_kill(rng: random.Random) -> Scenario:
+    """A SIGKILL inside a random step's first reduction, a spare to take over."""
+    return Scenario("spare", "spare", 1, rng.choice((2, 3)),
+                    f"{rng.randrange(RANKS)}@c{rng.randrange(1, STEPS - 1)}:kill")
+
+
 # ---------------------------------------------------------------------------- running and checking
 def launch(args: list[str], program: tuple[str, ...], run_dir: Path, bound: float) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "elastic.launch", "-n", str(RANKS), "--timeout", str(bound),
@@ -108,10 +119,10 @@ def launch(args: list[str], program: tuple[str, ...], run_dir: Path, bound: floa
         return 124, str(exc.stdout or "") + str(exc.stderr or ""), time.monotonic() - t0
 
 
-def reference(replication: int, work: Path, cache: dict[int, dict]) -> dict:
+def reference(program: tuple[str, ...], replication: int, work: Path, cache: dict[int, dict]) -> dict:
     if replication not in cache:
         run_dir = work / f"reference-r{replication}"
-        rc, out, _ = launch([], PROGRAM + ("--replication", str(replication)), run_dir, 300)
+        rc, out, _ = launch([], program + ("--replication", str(replication)), run_dir, 300)
         if rc != 0:
             raise SystemExit(f"the failure-free reference run failed (rc {rc}):\n{out[-3000:]}")
         chunks = max(-(-e["payload_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
@@ -182,17 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound", type=float, default=150.0, help="seconds one job may take before it is a hang")
     parser.add_argument("--keep", type=Path, help="keep every run's directory here (default: only failures)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run, then the totals")
+    parser.add_argument("--program", choices=PROGRAMS, default="train", help="which training program the jobs run")
+    parser.add_argument("--collective-kills", action="store_true",
+                        help="every run: a SIGKILL inside a random step's first reduction, a spare, bitwise")
     args = parser.parse_args(argv)
+    program = (PROGRAMS[args.program], *ARGS)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     keep = args.keep or ROOT / "elastic-run" / f"chaos-{args.seed}"
     refs: dict[int, dict] = {}
     rows = []
     for i in range(args.runs):
-        scenario = draw(rng)
-        ref = reference(scenario.replication, work, refs)
+        scenario = draw_collective_kill(rng) if args.collective_kills else draw(rng)
+        ref = reference(program, scenario.replication, work, refs)
         run_dir = work / f"run-{i}"
-        rc, out, seconds = launch(scenario.args(), PROGRAM + ("--replication", str(scenario.replication)),
+        rc, out, seconds = launch(scenario.args(), program + ("--replication", str(scenario.replication)),
                                   run_dir, args.bound)
         verdict, detail = check(scenario, rc, run_dir, ref)
         row = {"run": i, **dataclasses.asdict(scenario), "rc": rc, "verdict": verdict, "detail": detail,
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"runs": len(rows), "finished correct": counts["correct"], "clear error": counts["clear error"],
               "hang": counts["hang"], "mismatch": counts["mismatch"],
               "median wall s": round(statistics.median(r["seconds"] for r in rows), 1) if rows else None,
-              "seed": args.seed}
+              "seed": args.seed, "program": args.program}
     if args.json:
         print(json.dumps(totals))
     else:

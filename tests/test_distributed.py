@@ -1,5 +1,6 @@
-"""torch.distributed that follows the world (elastic.distributed): DDP over Gloo, rebuilt after
-every rebuild, with real kills under mpiexec --with-ft ulfm (examples/ddp.py)."""
+"""torch.distributed on the World's communicator (elastic.distributed): DDP and FSDP2 on the ``ulfm``
+process group, DDP over Gloo, DCP into peers' memory, with real kills under mpiexec --with-ft ulfm
+(examples/ddp.py, examples/fsdp.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,11 @@ import pytest
 from conftest import assert_bitwise, launch
 from elastic.report import final_steps
 
-# A group timeout of 5 s bounds how long a rank waits in DDP's all-reduce for a peer that left
-# it for the recovery (see elastic/distributed.py): each recovery here pays it once.
-DDP = ("examples/ddp.py", "--steps", "40", "--group-timeout", "5")
+DDP = ("examples/ddp.py", "--steps", "40")
+# Over Gloo a group timeout of 5 s bounds how long a rank waits in DDP's all-reduce for a peer that
+# left it for the recovery (Gloo has no abort): each recovery there pays it once.
+DDP_GLOO = ("examples/ddp.py", "--steps", "40", "--backend", "gloo", "--group-timeout", "5")
+FSDP = ("examples/fsdp.py", "--steps", "30")
 
 
 def _groups(job) -> dict[int, list[int]]:
@@ -25,9 +28,20 @@ def test_ddp_with_a_spare_is_bitwise(tmp_path, reference):
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@20", program=DDP)
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
     assert [e["logical"] for e in job.of("promoted")] == [1]
-    groups = _groups(job)  # a new group for the new generation on every rank, the promoted spare too
+    groups = _groups(job)  # DDP wrapped again in the new generation on every rank, the promoted spare too
     assert {r: g[-1] for r, g in groups.items()} == {0: 1, 1: 1, 2: 1, 3: 1}
     assert all(g == [0, 1] for r, g in groups.items() if r != 1)
+    # ... over the same group on the survivors: a substitution keeps the shape, the communicator is swapped
+    kept = {e["logical"]: e["kept"] for e in job.of("process_group") if e["generation"] == 1}
+    assert kept == {0: True, 1: False, 2: True, 3: True}
+    assert {e["backend"] for e in job.of("process_group")} == {"ulfm"}
+
+
+@pytest.mark.fault
+def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@20", program=DDP_GLOO)
+    assert_bitwise(job, reference(DDP_GLOO), "optimizer_sha256")
+    assert {e["backend"] for e in job.of("process_group")} == {"gloo"}
 
 
 @pytest.mark.fault
@@ -61,11 +75,58 @@ def test_ddp_after_a_shrink_keeps_the_global_batches(tmp_path, reference):
 
 @pytest.mark.fault
 def test_ddp_with_a_stopped_peer_recovers_bitwise(tmp_path, reference):
-    # SIGSTOP at step 20: the sentinel finds it (no heartbeat for 10 s) and kills it; the ranks
-    # waiting in DDP's all-reduce leave it within the group timeout and the spare takes over.
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@20:hang", program=DDP)
+    # SIGSTOP at step 20: the sentinel finds it (no heartbeat for 3 s) and kills it; ULFM tells
+    # the ranks waiting in DDP's all-reduce at once, and the spare takes over.
+    job = launch(tmp_path, 4, "--spares", "1", "--hang-timeout", "3", "--inject", "1@20:hang", program=DDP)
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
-    assert "injected hang at step 20, then hung (no heartbeat for 10.0 s), killed by its sentinel" in job.output
+    assert "injected hang at step 20, then hung (no heartbeat for 3.0 s), killed by its sentinel" in job.output
+
+
+@pytest.mark.fault
+def test_fsdp_with_a_spare_gets_the_lost_shards_back_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12", program=FSDP)
+    assert_bitwise(job, reference(FSDP), "optimizer_sha256")
+    assert [e["logical"] for e in job.of("promoted")] == [1]
+    # The survivors kept their sharded model and its group (no event of theirs in generation 1);
+    # the spare made both, and loaded rank 1's shards from the checkpoint in peer memory.
+    assert {(e["logical"], e["generation"]) for e in job.of("process_group")} == {(0, 0), (1, 0), (2, 0), (3, 0),
+                                                                                  (1, 1)}
+    assert [e["version"] for e in job.of("resumed") if e["logical"] == 1] == [2]  # the commit of step 10
+
+
+@pytest.mark.fault
+def test_fsdp_after_a_shrink_reshards_the_checkpoint_over_the_survivors(tmp_path, reference):
+    program = FSDP + ("--dropout", "0")
+    ref = reference(program)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "3@12", program=program)
+    assert job.rc == 0, job.output
+    assert job.result["size"] == 3 and job.result["steps"] == 30
+    # A 3-rank group and mesh: the 4-rank checkpoint was loaded onto 3 ranks.
+    assert {e["size"] for e in job.of("process_group") if e["generation"] == 1} == {3}
+    for step, event in final_steps(job.events).items():
+        assert event["samples"] == ref["steps"][step]["samples"], step
+    assert abs(job.result["final_loss"] - ref["result"]["final_loss"]) <= 1e-5 * abs(ref["result"]["final_loss"])
+
+
+@pytest.mark.fault
+def test_fsdp_survives_a_second_death_during_its_recovery_bitwise(tmp_path, reference):
+    # Rank 1 dies at step 12; rank 2, which holds a copy of rank 1's shards, dies while the recovery
+    # moves them (generation 1's restore): the third copy (replication 3) brings them back.
+    program = FSDP + ("--replication", "3")
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@restore/g1", program=program)
+    assert_bitwise(job, reference(program), "optimizer_sha256")
+    assert sorted(e["logical"] for e in job.of("promoted")) == [1, 2]
+    assert [e["point"] for e in job.of("inject")] == ["step", "restore"]
+
+
+@pytest.mark.fault
+def test_fsdp_with_a_peer_stopped_inside_a_reduce_scatter_recovers_bitwise(tmp_path, reference):
+    # SIGSTOP in the middle of step 12's first reduce-scatter (the backward's): the others wait in
+    # it until the sentinel kills the stopped rank (no heartbeat for 3 s), not for a group timeout.
+    job = launch(tmp_path, 4, "--spares", "1", "--hang-timeout", "3", "--inject", "1@c12:hang", program=FSDP)
+    assert_bitwise(job, reference(FSDP), "optimizer_sha256")
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 12)]
+    assert "then hung (no heartbeat for 3.0 s), killed by its sentinel" in job.output
 
 
 def test_a_dead_peer_in_a_gloo_collective_is_a_process_failure():
