@@ -127,17 +127,19 @@ class ProcessGroup:
 
 class DistributedDataParallel:
     """``torch.nn.parallel.DistributedDataParallel`` over the World's current group, wrapped again
-    after every rebuild. Put ``module`` (not this wrapper) in the State; call this for the forward.
+    in each new generation (``ddp_options`` go to torch's: ``find_unused_parameters``, ...). Put
+    ``module`` (not this wrapper) in the State; call this for the forward; torch DDP's other
+    attributes (``no_sync()``, ``train()``, ``state_dict()``, ...) are the current wrapper's.
 
     DDP averages gradients over the ranks: for the global mean of a global batch shared unevenly
     (``GlobalBatches``), make each rank's loss ``sum over its samples * world.size / global batch``.
 
-    Each parameter is its own bucket unless ``ddp_options`` say otherwise: DDP buckets a fresh
-    wrapper's first step in another layout than its later ones, and a ring all-reduce rounds
-    each element by where it lies in its bucket, so after a re-wrap the sums would differ in
-    the last bits from a run that never re-wrapped. One parameter per bucket lays every element
-    out the same way in every layout: a substitution is then bitwise the failure-free run.
-    Pass ``bucket_cap_mb=...`` for fewer, larger all-reduces when bits do not matter.
+    On the ``ulfm`` group the gradients go in one all-reduce per backward, laid out by parameter
+    (``_Gradients``). On Gloo each parameter is its own bucket unless ``ddp_options`` say
+    otherwise: DDP buckets a fresh wrapper's first step in another layout than its later ones,
+    and a ring all-reduce rounds each element by where it lies in its bucket, so after a re-wrap
+    the sums would differ in the last bits from a run that never re-wrapped. Pass
+    ``bucket_cap_mb=...`` for fewer, larger all-reduces when bits do not matter.
     """
 
     def __init__(self, world: World, module: torch.nn.Module, process_group: ProcessGroup | None = None,
@@ -149,18 +151,41 @@ class DistributedDataParallel:
         self._ddp: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """torch DDP's own attributes (``no_sync``, ``train``, ``eval``, ``state_dict``, ...),
+        from the current generation's wrapper."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.ddp, name)
+
+    @property
+    def ddp(self) -> torch.nn.parallel.DistributedDataParallel:
+        """torch's DDP of the current generation (wrapped here on first use after a rebuild:
+        collective, every active rank reaches it at the same point)."""
         if self._ddp is None or self._pg.stale:
-            self._ddp = None  # its reducer belongs to the old group
-            group = self._pg.group
-            options = self._options
-            if not isinstance(group, _mpigroup.MPIGroup) and not {"bucket_cap_mb", "bucket_cap_mb_list"} & set(options):
-                options = {**options, "bucket_cap_mb_list": [1e-6]}  # one parameter per bucket: see above
-            self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **options)
-            if isinstance(group, _mpigroup.MPIGroup):
-                self._ddp.register_comm_hook(_Gradients(group, self.module), _gradients_hook)
-            elif self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
-                self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
-        return self._ddp(*args, **kwargs)
+            self._wrap()
+        return self._ddp
+
+    def _wrap(self) -> None:
+        old, self._ddp = self._ddp, None
+        if old is not None:
+            # A torch DDP object sits in a reference cycle: only the cyclic GC frees it, at a time
+            # no program controls. Until then a reducer whose backward a failure cut short keeps
+            # its hooks on the parameters, still expecting them, and they fire in the next
+            # backward of the new wrapper ("marked ready twice", or its buckets written back):
+            # a recovery that differed once in a while. Unhooked here, whenever the GC comes.
+            old._remove_autograd_hooks()
+        group = self._pg.group
+        options = self._options
+        if not isinstance(group, _mpigroup.MPIGroup) and not {"bucket_cap_mb", "bucket_cap_mb_list"} & set(options):
+            options = {**options, "bucket_cap_mb_list": [1e-6]}  # one parameter per bucket: see above
+        self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **options)
+        if isinstance(group, _mpigroup.MPIGroup):
+            self._ddp.register_comm_hook(_Gradients(group, self.module), _gradients_hook)
+        elif self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
+            self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
 
 
 class _Gradients:

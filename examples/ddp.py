@@ -36,6 +36,7 @@ def main() -> int:
     add_arguments(parser)
     parser.add_argument("--group-timeout", type=float, default=30.0,
                         help="seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
+    parser.add_argument("--find-unused-parameters", action="store_true", help="torch DDP's option of that name")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model trains (cuda: this rank's GPU, elastic.device)")
     parser.add_argument("--backend", choices=("ulfm", "gloo", "nccl"),
@@ -56,7 +57,8 @@ def main() -> int:
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
     ddp = elastic.distributed.DistributedDataParallel(
         world, model, elastic.distributed.ProcessGroup(
-            world, backend=args.backend or ("nccl" if device.type == "cuda" else "ulfm"), timeout=args.group_timeout))
+            world, backend=args.backend or ("nccl" if device.type == "cuda" else "ulfm"), timeout=args.group_timeout),
+        find_unused_parameters=args.find_unused_parameters)
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:

@@ -45,10 +45,11 @@ def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
-def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference):
-    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce hook.
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP)
-    assert_bitwise(job, reference(DDP), "optimizer_sha256")
+@pytest.mark.parametrize("unused", [(), ("--find-unused-parameters",)], ids=["all-used", "find-unused"])
+def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference, unused):
+    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce.
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP + unused)
+    assert_bitwise(job, reference(DDP + unused), "optimizer_sha256")
     assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 20)]
 
 

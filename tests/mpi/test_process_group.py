@@ -100,6 +100,14 @@ def test_ddp_averages_the_gradients_as_a_hand_made_mean(world, group):
     for i, p in enumerate(model.parameters()):
         assert torch.equal(p.detach(), reference[i])
         assert torch.allclose(p.grad, sum(e[i] for e in expected) / world.size, atol=1e-6)
+    # no_sync (torch DDP's, through the wrapper): the first micro-batch stays local, the second
+    # all-reduces the accumulated gradients.
+    model.zero_grad()
+    with ddp.no_sync():
+        ddp(x[world.rank]).sum().backward()
+    ddp(x[world.rank]).sum().backward()
+    for i, p in enumerate(model.parameters()):
+        assert torch.allclose(p.grad, 2 * sum(e[i] for e in expected) / world.size, atol=1e-6)
 
 
 @pytest.mark.mpi(min_size=2)
