@@ -441,3 +441,29 @@ def test_a_rewrap_unhooks_the_ddp_whose_backward_a_failure_cut_short():
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_dcp_checkpoints_metadata_goes_to_the_store_as_json_and_comes_back_whole():
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    from elastic._dcp import _decode, _encode
+
+    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 8])),
+              ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 8]))]
+    metadata = Metadata({"app.model.0.weight": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                                     torch.Size([5, 8]), chunks),
+                         "app.optim.param_groups.0.lr": BytesStorageMetadata()},
+                        planner_data={"app.model.0.weight": ("app", "model", "0.weight"),
+                                      "app.optim.param_groups.0.lr": ("app", "optim", "param_groups", 0, "lr")},
+                        version="1.0.0")
+    storage = {MetadataIndex("app.model.0.weight", torch.Size([0, 0])): "dcp.0.0",
+               MetadataIndex("app.model.0.weight", torch.Size([3, 0])): "dcp.1.0",
+               MetadataIndex("app.optim.param_groups.0.lr"): "dcp.0.1"}
+    doc = _encode(metadata, storage)
+    assert doc.dtype == np.uint8 and json.loads(doc.tobytes())["version"] == "1.0.0"  # data, never a pickle
+    back, shapes = _decode(doc)
+    assert back.state_dict_metadata == metadata.state_dict_metadata and back.version == "1.0.0"
+    assert back.storage_data == storage  # MetadataIndex compares by name and offset
+    assert [tuple(p) for p in back.planner_data.values()] == list(metadata.planner_data.values())
+    assert shapes == {"dcp.0.0": (torch.bfloat16, [3, 8]), "dcp.1.0": (torch.bfloat16, [2, 8])}
