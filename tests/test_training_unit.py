@@ -467,3 +467,12 @@ def test_a_dcp_checkpoints_metadata_goes_to_the_store_as_json_and_comes_back_who
     assert back.storage_data == storage  # MetadataIndex compares by name and offset
     assert [tuple(p) for p in back.planner_data.values()] == list(metadata.planner_data.values())
     assert shapes == {"dcp.0.0": (torch.bfloat16, [3, 8]), "dcp.1.0": (torch.bfloat16, [2, 8])}
+
+
+def test_a_dcp_storage_in_peer_memory_wants_its_values_per_rank():
+    from elastic.comm import ConfigError
+    from elastic.distributed import PeerMemory
+
+    with pytest.raises(ConfigError, match=r"local=\('dcp',\)"):
+        PeerMemory(elastic.State(SimJob(2).rank(0), step=0))
+    assert PeerMemory(elastic.State(SimJob(2).rank(0), local=("dcp",), step=0)).name == "dcp"
