@@ -49,11 +49,6 @@ class PeerMemory(StorageWriter, StorageReader):
         self._metadata: Metadata | None = None
         self._chunks: dict[str, tuple[torch.dtype, list[int]]] = {}  # item -> its saved chunk's dtype, shape
 
-    @property
-    def saved(self) -> bool:
-        """Whether any rank holds a checkpoint's metadata (collective: every active rank asks)."""
-        return any(self.state.world.allgather(self._meta_name() is not None))
-
     # ----------------------------------------------------------------- writer
     def reset(self, checkpoint_id: Any = None) -> None:
         pass

@@ -10,10 +10,10 @@ bound, never by a group timeout.
 Each collective is one non-blocking MPI call on numpy views of the tensors (a
 copy only where no view exists: a non-contiguous tensor, or a 16-bit float
 reduced in float32), waited for inside the call under ``world.mpi.guard()``,
-with the World's ``collective`` fault point in flight. On CPU the caller is the
-thread that runs the backward, so DDP's bucket all-reduces still go one by one
-as the gradients get ready; the ``Work`` handed back is complete, its future
-already holds the result. The group is valid while the World keeps its shape
+with the World's ``collective`` fault point in flight in the reductions. On CPU
+the caller is the thread that runs the backward, so the ``Work`` handed back is
+complete, its future already holding the result (DDP's buckets go through
+``elastic.distributed``'s hook instead: one all-reduce per backward). The group is valid while the World keeps its shape
 (a spare or a spawned process takes the lost rank's place: same size, same rank
 here), whatever the generation: the communicator is looked up at each call. A
 shrink changes the shape: a call then raises, saying to make a new group
@@ -117,7 +117,7 @@ class MPIGroup(dist.ProcessGroup):
         return _work([output])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+                                    opts: Any = None) -> Any:
         for output, input in zip(outputs, inputs):
             self.all_gather_single(output, input, opts)
         return _work(outputs)
@@ -153,7 +153,7 @@ class MPIGroup(dist.ProcessGroup):
         return _work(outputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                      input_split_sizes: list[int], opts: Any = None) -> Any:
+                          input_split_sizes: list[int], opts: Any = None) -> Any:
         out, inp = _Buffer(output), _Buffer(input)
         n = self.size()
         row_out = out.array.size // max(output.shape[0], 1) if output.dim() else 1
@@ -234,8 +234,7 @@ class _Buffer:
         if tensor.dtype in _WIDENED:
             source = source.float() if reduce else source.view(torch.int16)
         source = source.contiguous()
-        self._copy = source if source.data_ptr() != tensor.data_ptr() or source.dtype.is_floating_point \
-            and source.dtype != tensor.dtype else None
+        self._copy = source if source.data_ptr() != tensor.data_ptr() else None  # no view of the tensor
         self.array = source.numpy().reshape(-1)
 
     def done(self, divide: int = 1) -> None:

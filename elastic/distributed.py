@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from elastic.comm import World
+from elastic.comm import ConfigError, World
 
 from . import _mpigroup
 from ._dcp import NothingSaved, PeerMemory
@@ -65,6 +65,9 @@ class ProcessGroup:
     for the recovery (and a healthy collective must not wait longer for its slowest rank)."""
 
     def __init__(self, world: World, backend: str | None = None, timeout: float = 60.0) -> None:
+        if backend not in (None, BACKEND, "gloo", "nccl"):
+            raise ConfigError(f"ProcessGroup(backend={backend!r}): use {BACKEND!r} (the World's communicator, the "
+                              "CPU default), 'gloo', or 'nccl' (GPUs)")
         self.world = world
         self.backend = backend or ("nccl" if torch.cuda.is_available() else BACKEND)
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -199,9 +202,14 @@ class _Gradients:
     step has another layout than its later ones), so a rank's sums never depend on a re-wrap."""
 
     def __init__(self, group: _mpigroup.MPIGroup, module: torch.nn.Module) -> None:
-        self.group = group
-        self._order = {p.data_ptr(): i for i, p in enumerate(module.parameters())}
+        self.group, self._module = group, module
+        self._order: dict[int, int] = {}  # a parameter's address -> its place in module.parameters()
         self._waiting: list[tuple[Any, torch.futures.Future]] = []
+
+    def _place(self, parameter: torch.Tensor) -> int:
+        if parameter.data_ptr() not in self._order:  # first use, or parameters moved since
+            self._order = {p.data_ptr(): i for i, p in enumerate(self._module.parameters())}
+        return self._order[parameter.data_ptr()]
 
     def hook(self, bucket: Any) -> torch.futures.Future:
         if bucket.index() == 0:
@@ -210,7 +218,7 @@ class _Gradients:
         self._waiting.append((bucket, future))
         if bucket.is_last():
             waiting, self._waiting = self._waiting, []
-            grads = sorted((self._order[p.data_ptr()], g) for b, _ in waiting
+            grads = sorted((self._place(p), g) for b, _ in waiting
                            for p, g in zip(b.parameters(), b.gradients()))
             flat = torch.cat([g.reshape(-1) for _, g in grads]).div_(self.group.size())  # torch's mean
             self.group.allreduce([flat])

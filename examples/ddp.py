@@ -1,11 +1,13 @@
 """examples/train.py written with torch's DistributedDataParallel over the World's process group.
 
 The model, data and optimizer of train.py; gradients are all-reduced by DDP
-(Gloo on CPU) during the backward pass instead of by ``allreduce_gradients``
-after it. ``elastic.distributed.DistributedDataParallel`` wraps the model
-again after every rebuild, over a process group of the new generation;
-the State holds the model itself, so the roll-back and the optimizer keep the
-same parameters.
+during the backward pass instead of by ``allreduce_gradients`` after it, on the
+``ulfm`` process group (the World's communicator: a death ends the all-reduce
+at once) or, ``--backend gloo``, over Gloo (no abort: a survivor waits up to
+``--group-timeout`` in an all-reduce its peer left).
+``elastic.distributed.DistributedDataParallel`` wraps the model again in each
+new generation; the State holds the model itself, so the roll-back and the
+optimizer keep the same parameters.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/ddp.py --steps 40
     python -m elastic.launch -n 2 --spares 1 --inject 1@20 -- python examples/ddp.py --device cuda  # GPUs: NCCL
@@ -35,7 +37,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--group-timeout", type=float, default=30.0,
-                        help="seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
+                        help="Gloo: seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
     parser.add_argument("--find-unused-parameters", action="store_true", help="torch DDP's option of that name")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model trains (cuda: this rank's GPU, elastic.device)")

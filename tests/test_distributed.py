@@ -9,9 +9,9 @@ from conftest import assert_bitwise, launch
 from elastic.report import final_steps
 
 DDP = ("examples/ddp.py", "--steps", "40")
-# Over Gloo a group timeout of 5 s bounds how long a rank waits in DDP's all-reduce for a peer that
+# Over Gloo a group timeout of 3 s bounds how long a rank waits in DDP's all-reduce for a peer that
 # left it for the recovery (Gloo has no abort): each recovery there pays it once.
-DDP_GLOO = ("examples/ddp.py", "--steps", "40", "--backend", "gloo", "--group-timeout", "5")
+DDP_GLOO = ("examples/ddp.py", "--steps", "40", "--backend", "gloo", "--group-timeout", "3")
 FSDP = ("examples/fsdp.py", "--steps", "30")
 
 
@@ -47,9 +47,10 @@ def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
 @pytest.mark.fault
 @pytest.mark.parametrize("unused", [(), ("--find-unused-parameters",)], ids=["all-used", "find-unused"])
 def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference, unused):
-    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce.
+    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce. The sums do
+    # not depend on DDP's buckets, so find_unused_parameters gives the same bits too.
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP + unused)
-    assert_bitwise(job, reference(DDP + unused), "optimizer_sha256")
+    assert_bitwise(job, reference(DDP), "optimizer_sha256")
     assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 20)]
 
 
@@ -112,10 +113,11 @@ def test_fsdp_after_a_shrink_reshards_the_checkpoint_over_the_survivors(tmp_path
 @pytest.mark.fault
 def test_fsdp_survives_a_second_death_during_its_recovery_bitwise(tmp_path, reference):
     # Rank 1 dies at step 12; rank 2, which holds a copy of rank 1's shards, dies while the recovery
-    # moves them (generation 1's restore): the third copy (replication 3) brings them back.
+    # moves them (generation 1's restore): the third copy (replication 3) brings them back (the
+    # copies' count does not change the model: the reference is the replication-2 run).
     program = FSDP + ("--replication", "3")
     job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@restore/g1", program=program)
-    assert_bitwise(job, reference(program), "optimizer_sha256")
+    assert_bitwise(job, reference(FSDP), "optimizer_sha256")
     assert sorted(e["logical"] for e in job.of("promoted")) == [1, 2]
     assert [e["point"] for e in job.of("inject")] == ["step", "restore"]
 

@@ -476,3 +476,11 @@ def test_a_dcp_storage_in_peer_memory_wants_its_values_per_rank():
     with pytest.raises(ConfigError, match=r"local=\('dcp',\)"):
         PeerMemory(elastic.State(SimJob(2).rank(0), step=0))
     assert PeerMemory(elastic.State(SimJob(2).rank(0), local=("dcp",), step=0)).name == "dcp"
+
+
+def test_an_unknown_process_group_backend_is_refused_naming_the_ones_there_are():
+    from elastic.comm import ConfigError
+    from elastic.distributed import ProcessGroup
+
+    with pytest.raises(ConfigError, match="use 'ulfm'.*'gloo', or 'nccl'"):
+        ProcessGroup(SimJob(1).rank(0), backend="mpi")
