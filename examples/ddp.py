@@ -25,12 +25,11 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 
 import elastic
 import elastic.distributed
-from train import add_arguments, digest, report, setup
+from train import add_arguments, digest, report, setup, step_done
 
 
 def main() -> int:
@@ -74,13 +73,7 @@ def main() -> int:
             share = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx], reduction="sum")
             (share * world.size / args.batch).backward()  # DDP all-reduces the gradients in here
             optimizer.step()
-            # The global loss, and which samples the ranks used (count, sum, sum of squares).
-            tally = np.array([float(share.detach()) / args.batch, len(mine), mine.sum(),
-                              (mine.astype(np.float64) ** 2).sum()])
-            world.allreduce([tally])
-            state.step += 1
-            state.loss = float(tally[0])
-            state.record_step(state.step, state.loss, total=args.steps, samples=tally[1:].tolist())
+            step_done(world, state, float(share.detach()), mine, args)
             if state.step % args.commit_every == 0:
                 state.commit()
         return state.loss

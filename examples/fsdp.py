@@ -24,7 +24,6 @@ import argparse
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  (FSDP2 imports it on first use: 0.7 s a parked spare pays before, not after, a failure)
 import torch.distributed.checkpoint as dcp
@@ -35,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-from train import add_arguments, digest, make_model, report, setup
+from train import add_arguments, digest, make_model, report, setup, step_done
 
 
 class Checkpointable:
@@ -100,12 +99,7 @@ def main() -> int:
             share = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum")
             (share * world.size / args.batch).backward()  # FSDP2 reduce-scatters the mean gradient in here
             optimizer.step()
-            tally = np.array([float(share.detach()) / args.batch, len(mine), mine.sum(),
-                              (mine.astype(np.float64) ** 2).sum()])
-            world.allreduce([tally])
-            state.step += 1
-            state.loss = float(tally[0])
-            state.record_step(state.step, state.loss, total=args.steps, samples=tally[1:].tolist())
+            step_done(world, state, float(share.detach()), mine, args)
             if state.step % args.commit_every == 0:
                 dcp.save({"app": Checkpointable(model, optimizer)}, storage_writer=checkpoint)
                 state.commit()

@@ -94,6 +94,18 @@ def local_loss(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y:
     return float(tally[0]), tally[1:].tolist()
 
 
+def step_done(world: elastic.World, state: elastic.State, share: float, mine: np.ndarray,
+              args: argparse.Namespace) -> None:
+    """After a step's optimizer update (collective): the global loss from this rank's ``share``
+    (its samples' summed loss) and which samples the ranks used (count, sum, sum of squares),
+    summed over the ranks and recorded; the loop moves to the next step."""
+    tally = np.array([share / args.batch, len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
+    world.allreduce([tally])
+    state.step += 1
+    state.loss = float(tally[0])
+    state.record_step(state.step, state.loss, total=args.steps, samples=tally[1:].tolist())
+
+
 def digest(state_dict: dict) -> str:
     """sha256 over every tensor of a (possibly nested) state dict, in key order."""
     h = hashlib.sha256()
