@@ -35,9 +35,11 @@ def _groups(job) -> dict[int, list[int]]:
 
 
 @pytest.mark.fault
-def test_ddp_with_a_spare_is_bitwise(tmp_path, reference):
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@20", program=DDP)
+def test_a_kill_inside_ddps_all_reduce_with_a_spare_is_bitwise(tmp_path, reference):
+    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce.
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP)
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 20)]
     assert [e["logical"] for e in job.of("promoted")] == [1]
     groups = _groups(job)  # DDP wrapped again in the new generation on every rank, the promoted spare too
     assert {r: g[-1] for r, g in groups.items()} == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -56,13 +58,11 @@ def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("unused", [(), ("--find-unused-parameters",)], ids=["all-used", "find-unused"])
-def test_a_kill_inside_ddps_all_reduce_is_bitwise(tmp_path, reference, unused):
-    # 1@c20: rank 1 dies in the middle of step 20's backward, inside DDP's all-reduce. The sums do
-    # not depend on DDP's buckets, so find_unused_parameters gives the same bits too.
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c20", program=DDP + unused)
+def test_a_kill_inside_ddps_all_reduce_with_find_unused_parameters_is_bitwise(tmp_path, reference):
+    # The sums do not depend on DDP's buckets: find_unused_parameters gives the same bits too.
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@c13", program=DDP + ("--find-unused-parameters",))
     assert_bitwise(job, reference(DDP), "optimizer_sha256")
-    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 20)]
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 13)]
 
 
 @pytest.mark.fault
