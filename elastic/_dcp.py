@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from elastic.comm import ConfigError
 
+from ._handlers import tensor_array
 from ._state import State
 
 
@@ -73,9 +74,7 @@ class PeerMemory(StorageWriter, StorageReader):
         for k, item in enumerate(plan.items):
             data = planner.resolve_data(item)
             if isinstance(data, torch.Tensor):
-                tensor = data.detach().cpu()
-                tensor = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-                array = tensor.contiguous().numpy().copy().reshape(-1).view(np.uint8)  # a snapshot
+                array = tensor_array(data).copy().reshape(-1).view(np.uint8)  # a snapshot, in C order
             else:
                 array = np.frombuffer(data.getbuffer(), np.uint8).copy()
             key = f"{self.name}.{rank}.{k}"
@@ -122,9 +121,7 @@ class PeerMemory(StorageWriter, StorageReader):
                 planner.load_bytes(item, io.BytesIO(blob.tobytes()))
                 continue
             dtype, shape = self._chunks[storage[item.storage_index]]
-            source = torch.from_numpy(blob.copy())
-            source = (source.view(torch.int16).view(dtype) if dtype == torch.bfloat16 else source.view(dtype))
-            source = source.reshape(shape)
+            source = torch.from_numpy(blob.copy()).view(dtype).reshape(shape)
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 source = source.narrow(dim, start, length)
             target = planner.resolve_tensor(item).detach()

@@ -78,7 +78,7 @@ def main() -> int:
     print(" | ".join(head))
     for r in rows:
         print(" | ".join([r["way"], f"{r['steps_per_s']:.1f}", f"{r['steps_per_s'] / base:.2f}", f"{r['down_s']:.3f}",
-                                                                      f"{r['down_s'] / base_down:.2f}"]
+                          f"{r['down_s'] / base_down:.2f}"]
                          + [f"{r[k]:.1f}" if r[k] is not None else "-" for k in
                             ("detect_ms", "agree_ms", "rebuild_ms", "restore_ms", "resume_ms")] + [str(r["redone"])]))
     return 0
