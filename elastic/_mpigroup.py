@@ -47,6 +47,7 @@ class MPIGroup(dist.ProcessGroup):
         super().__init__(world.rank, world.size)  # type: ignore[call-arg]  # the stub lacks this overload
         self._world = world
         self._group_name = ""
+        self._checked: MPI.Intracomm | None = None  # the communicator whose shape is this group's
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -62,12 +63,15 @@ class MPIGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts)
+        self.reduce_in_place(tensors, _reduce_op(opts))
+        return _work(tensors)
+
+    def reduce_in_place(self, tensors: list[torch.Tensor], op: Any = dist.ReduceOp.SUM) -> None:
+        """``allreduce`` without the ``Work`` (this package's own callers: DDP's gradients)."""
         bufs = [_Buffer(t, reduce=True) for t in tensors]
         self._run(lambda comm: [comm.Iallreduce(MPI.IN_PLACE, b.array, op=_OPS[op]) for b in bufs], reduction=True)
         for b in bufs:
             b.done(self.size() if op == dist.ReduceOp.AVG else 1)
-        return _work(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -191,10 +195,13 @@ class MPIGroup(dist.ProcessGroup):
         ``guard``). A ``reduction`` (DDP's all-reduce, FSDP2's reduce-scatter) fires the
         ``collective`` fault point of the World's step with them in flight: ``1@c20`` stops rank 1
         inside step 20's first one."""
-        self._check_shape()
         world = self._world
+        comm = world.mpi.comm
+        if comm is not self._checked:  # a new generation's communicator
+            self._check_shape()
+            self._checked = comm
         with world.mpi.guard():
-            requests = start(world.mpi.comm)
+            requests = start(comm)
             try:
                 if reduction:
                     world.fault_point(world.job.step, "collective")

@@ -193,22 +193,27 @@ class DistributedDataParallel:
 
 class _Gradients:
     """DDP's gradients on the World's communicator: one all-reduce per backward, over the
-    gradients laid out by parameter, not by bucket.
+    gradients laid out in reverse parameter order, whatever DDP's buckets.
 
     DDP hands its buckets over one by one as the backward makes them; each waits here until the
     last, then all go in one flat all-reduce. One meeting of the ranks per step, not one per
     bucket (each costs a round of every rank, dear where ranks share cores); and every gradient
     element sits at the same place in it whatever DDP's bucket layout (a fresh wrapper's first
-    step has another layout than its later ones), so a rank's sums never depend on a re-wrap."""
+    step has another layout than its later ones), so a rank's sums never depend on a re-wrap.
+    Reverse parameter order is the layout DDP settles on after its first backward where the
+    gradients become ready last layer first: there its one bucket is all-reduced in place (no
+    copy in, no copy out); any other layout is copied into that order and back."""
 
     def __init__(self, group: _mpigroup.MPIGroup, module: torch.nn.Module) -> None:
         self.group, self._module = group, module
-        self._order: dict[int, int] = {}  # a parameter's address -> its place in module.parameters()
+        self._order: dict[int, int] = {}  # a parameter's address -> its place, last parameter first
+        self._layout: list[int] = []  # the parameters' addresses in that order
         self._waiting: list[tuple[Any, torch.futures.Future]] = []
 
     def _place(self, parameter: torch.Tensor) -> int:
         if parameter.data_ptr() not in self._order:  # first use, or parameters moved since
-            self._order = {p.data_ptr(): i for i, p in enumerate(self._module.parameters())}
+            self._layout = [p.data_ptr() for p in self._module.parameters() if p.requires_grad][::-1]
+            self._order = {address: i for i, address in enumerate(self._layout)}
         return self._order[parameter.data_ptr()]
 
     def hook(self, bucket: Any) -> torch.futures.Future:
@@ -218,17 +223,23 @@ class _Gradients:
         self._waiting.append((bucket, future))
         if bucket.is_last():
             waiting, self._waiting = self._waiting, []
-            grads = sorted((self._place(p), g) for b, _ in waiting
-                           for p, g in zip(b.parameters(), b.gradients()))
-            flat = torch.cat([g.reshape(-1) for _, g in grads]).div_(self.group.size())  # torch's mean
-            self.group.allreduce([flat])
-            offset = 0
-            for _, g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            if len(waiting) == 1 and [p.data_ptr() for p in bucket.parameters()] == self._layout:
+                flat = bucket.buffer().div_(self.group.size())  # torch's mean; DDP copies it into .grad
+                self.group.reduce_in_place([flat])
+            else:
+                self._reduce_in_layout(waiting)
             for b, done in waiting:
                 done.set_result(b.buffer())
         return future
+
+    def _reduce_in_layout(self, waiting: list[tuple[Any, torch.futures.Future]]) -> None:
+        grads = sorted((self._place(p), g) for b, _ in waiting for p, g in zip(b.parameters(), b.gradients()))
+        flat = torch.cat([g.reshape(-1) for _, g in grads]).div_(self.group.size())  # torch's mean
+        self.group.reduce_in_place([flat])
+        offset = 0
+        for _, g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def _gradients_hook(state: _Gradients, bucket: Any) -> torch.futures.Future:
