@@ -53,6 +53,7 @@ class World:
         self._config, self._policy, self._initial_size = config, policy, initial_size
         self._settings = Settings.of(config)  # what the layers above act on
         self._step = step                     # the loop's last step, as told by fault_point / progress
+        self._collectives = 0                 # calls on the active ranks so far (guarded MPI calls)
         self._own_step_points = False         # the program calls fault_point(step) itself
         # A replacement (spawned or relaunched) exists because of a failure.
         self._failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
@@ -130,6 +131,12 @@ class World:
         with self._guard():
             if not _collectives.agree(self._comm, int(ok)):
                 raise ProcessFailure(why)
+
+    def agree_all(self, flag: bool) -> bool:
+        """True on every active rank iff every one passed True, False on every one otherwise
+        (collective, one ULFM Agree)."""
+        with self._guard():
+            return bool(_collectives.agree(self._comm, int(flag)))
 
     def agree_equal(self, value: int, ok: bool = True) -> bool:
         """True on every active rank iff every one passed the same ``value`` (its low 30 bits) and
@@ -258,6 +265,7 @@ class World:
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
+        self._collectives += 1
         with self._watchdog.waiting(), mpi_errors(self._comm):
             yield
 
@@ -388,6 +396,12 @@ class WorldJob:
     def host_peers(self) -> list[int]:
         """The active logical ranks on this rank's host, ascending (this one included)."""
         return self._world._members.host_peers()
+
+    @property
+    def collectives(self) -> int:
+        """How many calls on the active ranks (collectives, data plane) this process has made: a
+        count that moves whenever it talked to its peers."""
+        return self._world._collectives
 
     @property
     def local_rank(self) -> int:

@@ -171,6 +171,7 @@ class SimJob:
                 raise ProcessFailure("a rank interrupted this generation")
             key = (f.generation, rank._sequence)
             rank._sequence += 1
+            rank._collectives += 1
             slot = f.slots.setdefault(key, {})
             slot[rank.logical] = value
             self._cv.notify_all()
@@ -252,6 +253,7 @@ class SimRank:
     def __init__(self, job: SimJob, logical: int, role: Role) -> None:
         self._job, self.logical, self._role = job, logical, role
         self._sequence = 0  # collectives called in this generation (every rank calls them in one order)
+        self._collectives = 0  # every generation's: Job.collectives
         self._generation = job._fabric.generation
         self._step: int | None = None
         self._ended = False
@@ -292,6 +294,9 @@ class SimRank:
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:
         if not all(self._job._collective(self, bool(ok)).values()):
             raise ProcessFailure(why)
+
+    def agree_all(self, flag: bool) -> bool:
+        return all(self._job._collective(self, bool(flag)).values())
 
     def agree_equal(self, value: int, ok: bool = True) -> bool:
         got = self._job._collective(self, (value & 0x3FFFFFFF, bool(ok))).values()
@@ -416,6 +421,10 @@ class _SimJobView:
     @property
     def committed(self) -> bool:
         return self._rank._job._fabric.committed
+
+    @property
+    def collectives(self) -> int:
+        return self._rank._collectives
 
     def note_commit(self) -> None:
         with self._rank._job._cv:

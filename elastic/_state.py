@@ -2,10 +2,16 @@
 
 ``State`` holds values by name, each through the handler of its kind
 (``_handlers``); ``TorchState`` adds a model, an optimizer and the RNG states
-as three more handlers. ``commit()`` replicates through
-``elastic.recovery.ReplicatedStore``; ``restore()`` rolls back to the last
-commit, and after a shrink gives this rank handlers for the values it took
-over. ``elastic.run`` calls the rest (``_recover``, ``sync``).
+as three more handlers. Values every rank holds alike (the data-parallel model
+and optimizer) are never copied to peers: each rank keeps its own roll-back
+copy, and a replacement gets them from the survivors
+(``elastic.recovery.share``). Rank-unique values (``local``: the RNG states, a
+shard) are replicated through ``elastic.recovery.ReplicatedStore``.
+``commit()`` is the multi-step recovery point; ``per_step=True`` makes every
+optimizer step one (``step_point``): the shared values' recovery point is then
+the live values themselves, no copy at all. ``restore()`` rolls back, and
+after a shrink gives this rank handlers for the values it took over.
+``elastic.run`` calls the rest (``_recover``, ``sync``).
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
-from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum
+from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum, share
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
 
@@ -86,12 +92,24 @@ class State:
         chunk_bytes: the store's replication unit.
         adopt: after a shrink, which survivor takes a removed rank's values: a function of
             (removed, survivors) -> {removed: survivor}, the same on every rank (default round-robin).
+        per_step: every step a recovery point (``step_point``, which ``TorchState`` calls
+            before each optimizer step): a failure loses only the step in flight, and the
+            values every rank holds alike are never copied, not even locally.
     """
 
     def __init__(self, world: Group, *, replication: int = 2, local: tuple[str, ...] = (),
-                 chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, **values: Any) -> None:
+                 chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
+                 **values: Any) -> None:
+        if per_step and world.job.settings.node_store:
+            raise ConfigError("per_step=True keeps the values every rank shares only in the processes' memory, "
+                              "and a tier-2 relaunch (node_store) starts new ones: use per_step=False with "
+                              "node_store (each commit then keeps them in node memory)")
         self._world = world
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
+        self._per_step = per_step
+        self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
+        self._in_step = False       # per step: between a step point and the step's end (record_step)
+        self._calls_at_point = 0    # world.job.collectives right after the last step point
         self._adopt = adopt
         self._local = frozenset(local) | {INDEX}
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
@@ -161,18 +179,54 @@ class State:
         """
         arrays = self._capture()
         self._check_shared(arrays)
-        self._store.commit(arrays, 0 if self.version is None else self.version + 1)
+        shared = [name for name in arrays if not self._is_local(name)]
+        if self._per_step:  # the live values are their recovery point
+            arrays = {name: a for name, a in arrays.items() if self._is_local(name)}
+        self._store.commit(arrays, self._next_version(), unreplicated=shared)
+        self._holds_shared, self._in_step = True, False
+
+    def step_point(self) -> None:
+        """The recovery point of the step in flight (collective over the active ranks); with
+        ``per_step=True``. ``TorchState`` calls it before each optimizer step.
+
+        Call it after the step's last collective and before its update: every rank votes, and
+        either every one goes on to the update (the rank-unique values as they are now, the
+        RNG states say, are then replicated and current) or none does (``ProcessFailure``
+        everywhere, the update not applied). A later failure finds every survivor past the
+        update, with the shared values alike: the job resumes from them, at the next step.
+        So between here and ``record_step`` (the step's end, which every step must reach) a
+        step does only local work: the update, ``state.step += 1``; a collective there (a loss
+        all-reduce: put it before the optimizer step) is refused at ``record_step`` with a
+        ``ConfigError`` on every rank, since a failure inside it would leave the bookkeeping
+        after it undone on some ranks.
+        """
+        if not self._per_step:
+            raise ConfigError("step_point() is the per-step recovery point: make the State with per_step=True "
+                              "(or call commit(), the multi-step one)")
+        if self._in_step:
+            raise ConfigError("per_step: two step points without record_step() between them; end every step with "
+                              "state.record_step(step) (it marks where the step's update is complete)")
+        arrays = {name: a for name, a in self._capture().items() if self._is_local(name)}
+        self._store.commit(arrays, self._next_version())
+        self._in_step, self._calls_at_point = True, self._world.job.collectives
+
+    def _next_version(self) -> int:
+        return 0 if self.version is None else self.version + 1
 
     def restore(self) -> None:
-        """Roll every value back to the last agreed version (local). Values of removed ranks this
-        rank took over after a shrink get handlers here, unless it has values of the same name (its
-        own win)."""
+        """Roll every value back to the last agreed version (local); with ``per_step``, the
+        rank-unique values (the shared ones are their own recovery point). Values of removed ranks
+        this rank took over after a shrink get handlers here, unless it has values of the same name
+        (its own win)."""
         if self.version is None:
             raise NothingCommitted("nothing committed yet: elastic.run commits once before calling your function")
         for owner in self._store.owners_here():
             if owner != int(self._world.logical_rank):
                 self._apply(self._store.restore_owner(owner), adopting=True)
-        self._apply(self._store.restore())
+        own = self._store.restore()
+        self._apply(own)
+        if any(not self._is_local(name) for name in own):
+            self._holds_shared = True  # a relaunch that found its payload in node memory
 
     def sync(self) -> None:
         """Make every rank start from the same state (collective over the active ranks).
@@ -197,6 +251,13 @@ class State:
         recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first).
         ``step``: the steps done, so the loop is now at step ``step``: the point where the fault
         schedule's ``R@step`` entries fire, unless the program calls ``world.fault_point`` itself."""
+        if self._in_step and self._world.job.collectives != self._calls_at_point:
+            raise agreed(ConfigError(  # every rank runs the same code: every rank stops here alike
+                "per_step: a collective ran between the step point (optimizer.step()) and record_step(); a "
+                "failure inside it would leave the step half ended on some ranks. Do the step's collectives "
+                "(the loss all-reduce, logging) before optimizer.step(), or after record_step(), or use "
+                "per_step=False"))
+        self._in_step = False
         self._world.fault_point(step, implied=True)
         self._clock.step_done(step, loss, total, **metrics)
 
@@ -207,8 +268,26 @@ class State:
         if not self._store.recover(adopt=self._adopt):
             return  # no version was ever committed: sync() starts over from the first survivor
         self.restore()
+        self._share()
         self._world.events.emit("state_restored", version=self.version, seconds=time.perf_counter() - t0,
                                 bytes_moved=self._store.bytes_moved)
+
+    def _share(self) -> None:
+        """Give the values every rank holds alike to the ranks that lack them: replacements
+        (collective)."""
+        world = self._world
+        ranks = [int(r) for r in world.logical_ranks]
+        lacking = [r for r, holds in zip(ranks, world.allgather(self._holds_shared)) if not holds]
+        self._in_step = False  # a failure between a step point and the step's end: only local work was left
+        if not lacking:
+            return
+        me = int(world.logical_rank)
+        mine = None if me in lacking else {name: a for name, a in self._capture().items()
+                                           if not self._is_local(name) or name == INDEX}
+        got = share(world, mine, lacking)
+        if got is not None:
+            self._apply(got)
+            self._holds_shared = True
 
     def _is_local(self, name: str) -> bool:
         return name in self._local or name.split(".", 1)[0] in self._local
@@ -291,16 +370,22 @@ class TorchState(State):
     Each is a handler of its kind (``_handlers``: ``Module``, ``Stateful``,
     ``Rng``), like the program's values. After a shrink, a pair taken over
     from a removed rank is held as arrays until ``bind(name, model,
-    optimizer)`` loads it (see ``unbound()``).
+    optimizer)`` loads it (see ``unbound()``). With ``per_step=True`` every
+    optimizer's ``step()`` is a recovery point (``step_point`` runs just before it).
     """
 
     def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
-                 adopt: Adopt | None = None, **values: Any) -> None:
+                 adopt: Adopt | None = None, per_step: bool = False, **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
+        if per_step and shard_optimizer:
+            raise ConfigError("per_step=True with shard_optimizer=True: a step point comes before the optimizer "
+                              "step, and a sharded optimizer's state changes in it, after the point; use "
+                              "per_step=False (commit() every few steps) with a sharded optimizer")
         super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
-                         **values)
+                         per_step=per_step, **values)
+        self._hooks: list[Any] = []  # the optimizers' step pre-hooks (per step)
         pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
         for name, (module, optim) in {**pairs, **(modules or {})}.items():
             self.bind(name, module, optim)
@@ -320,6 +405,12 @@ class TorchState(State):
             self._handlers[key] = handler(obj)
             if isinstance(held, Held):
                 self._handlers[key].apply(key, held.value)
+            if handler is Stateful and self._per_step:
+                if self._hooks:
+                    raise ConfigError("per_step=True takes one optimizer: its step() is each step's recovery "
+                                      "point; with more, make the TorchState with per_step=False, or a State "
+                                      "with per_step=True and call state.step_point() before the first update")
+                self._hooks.append(obj.register_step_pre_hook(lambda *_: self.step_point()))
 
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""

@@ -29,7 +29,7 @@ import torch
 
 import elastic
 import elastic.distributed
-from train import add_arguments, digest, report, setup, step_done
+from train import add_arguments, digest, report, setup, step_done, step_tally
 
 
 def main() -> int:
@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--group-timeout", type=float, default=30.0,
                         help="Gloo: seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
     parser.add_argument("--find-unused-parameters", action="store_true", help="torch DDP's option of that name")
+    parser.add_argument("--per-step", action="store_true", help="every optimizer step a recovery point")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model trains (cuda: this rank's GPU, elastic.device)")
     parser.add_argument("--backend", choices=("ulfm", "gloo", "nccl"),
@@ -53,8 +54,8 @@ def main() -> int:
     model.to(device)  # the optimizer keeps the same parameters (its state is made at the first step)
     x, y = x.to(device), y.to(device)
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
-                               loss=float("nan"))
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication,
+                               per_step=args.per_step, step=0, loss=float("nan"))
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
     ddp = elastic.distributed.DistributedDataParallel(
         world, model, elastic.distributed.ProcessGroup(
@@ -72,8 +73,9 @@ def main() -> int:
             # global mean whatever share each rank has (4 ranks or 3).
             share = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx], reduction="sum")
             (share * world.size / args.batch).backward()  # DDP all-reduces the gradients in here
+            tally = step_tally(world, float(share.detach()), mine, args)  # before the update: see per_step
             optimizer.step()
-            step_done(world, state, float(share.detach()), mine, args)
+            step_done(state, tally, args)
             if state.step % args.commit_every == 0:
                 state.commit()
         return state.loss

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-from train import add_arguments, digest, make_model, report, setup, step_done
+from train import add_arguments, digest, make_model, report, setup, step_done, step_tally
 
 
 class Checkpointable:
@@ -98,8 +98,9 @@ def main() -> int:
             idx = torch.from_numpy(mine)
             share = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum")
             (share * world.size / args.batch).backward()  # FSDP2 reduce-scatters the mean gradient in here
+            tally = step_tally(world, float(share.detach()), mine, args)
             optimizer.step()
-            step_done(world, state, float(share.detach()), mine, args)
+            step_done(state, tally, args)
             if state.step % args.commit_every == 0:
                 dcp.save({"app": Checkpointable(model, optimizer)}, storage_writer=checkpoint)
                 state.commit()

@@ -94,13 +94,17 @@ def local_loss(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y:
     return float(tally[0]), tally[1:].tolist()
 
 
-def step_done(world: elastic.World, state: elastic.State, share: float, mine: np.ndarray,
-              args: argparse.Namespace) -> None:
-    """After a step's optimizer update (collective): the global loss from this rank's ``share``
+def step_tally(world: elastic.World, share: float, mine: np.ndarray, args: argparse.Namespace) -> np.ndarray:
+    """Before a step's optimizer update (collective): the global loss from this rank's ``share``
     (its samples' summed loss) and which samples the ranks used (count, sum, sum of squares),
-    summed over the ranks and recorded; the loop moves to the next step."""
+    summed over the ranks."""
     tally = np.array([share / args.batch, len(mine), mine.sum(), (mine.astype(np.float64) ** 2).sum()])
     world.allreduce([tally])
+    return tally
+
+
+def step_done(state: elastic.State, tally: np.ndarray, args: argparse.Namespace) -> None:
+    """After the update (local): the step's tally recorded; the loop moves to the next step."""
     state.step += 1
     state.loss = float(tally[0])
     state.record_step(state.step, state.loss, total=args.steps, samples=tally[1:].tolist())
@@ -139,6 +143,9 @@ def report(world: elastic.World, state: elastic.State, loss: float, **fields: ob
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("--per-step", action="store_true",
+                        help="every optimizer step a recovery point (TorchState(per_step=True)): a failure loses "
+                             "only the step in flight; --commit-every then only checks the replicas agree")
     args = parser.parse_args()
     x, y, model = setup(args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -146,8 +153,8 @@ def main() -> int:
     extra = {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, args.lr_step, 0.7)} if args.lr_step else {}
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication, step=0,
-                               loss=float("nan"), **extra)
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, replication=args.replication,
+                               per_step=args.per_step, step=0, loss=float("nan"), **extra)
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
 
     def on_reset(world: elastic.World, rebuild: elastic.Rebuild) -> None:

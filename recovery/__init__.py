@@ -1,7 +1,8 @@
 """elastic.recovery: replicated in-memory state and the recovery policies (built on elastic.comm).
 
 ``ReplicatedStore`` keeps every rank's state in its peers' memory (two-phase
-commits, checksums, balanced recovery); ``place_replicas`` / ``plan_transfers``
+commits, checksums, balanced recovery) for what is rank-unique; ``share`` copies
+what every rank holds alike to a replacement, from the survivors; ``place_replicas`` / ``plan_transfers``
 are its placement and recovery-plan logic; ``Policy`` decides, at each rebuild,
 between a spare, a spawned process and shrinking; ``plan_stage_recovery`` /
 ``checkfree_average`` bring a lost pipeline stage back from a replica or, with
@@ -19,12 +20,13 @@ from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 
 if TYPE_CHECKING:
+    from ._share import share
     from ._store import Adopt, ReplicatedStore, checksum
 
 __getattr__, __dir__ = lazy_exports(globals(), {
-    "ReplicatedStore": "._store", "checksum": "._store", "Adopt": "._store",
+    "ReplicatedStore": "._store", "checksum": "._store", "Adopt": "._store", "share": "._share",
 })
 
 __all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
            "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average",
-           "replica_holders", "LR_BOOST", "Adopt"]
+           "replica_holders", "LR_BOOST", "Adopt", "share"]

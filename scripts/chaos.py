@@ -10,7 +10,8 @@ the spawn, while sending recovery data, inside ``finish()``, or a parked spare)
 and how (SIGKILL, ``os._exit(3)``, an exception, SIGSTOP, a stall). It runs
 ``examples/train.py`` (dropout off; ``--program ddp`` / ``fsdp``: the same
 training with torch's DDP, or FSDP2 with DCP into peer memory, on the ``ulfm``
-process group) on 4 ranks under the launcher with a bound, and checks the
+process group; ``--per-step``: every optimizer step a recovery point, so a
+``commit`` kill lands inside a step point) on 4 ranks under the launcher with a bound, and checks the
 outcome. ``--collective-kills``: every run instead SIGKILLs one random rank at a
 random step inside that step's first reduction (DDP's gradient all-reduce,
 FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise:
@@ -125,7 +126,7 @@ def reference(program: tuple[str, ...], replication: int, work: Path, cache: dic
         rc, out, _ = launch([], program + ("--replication", str(replication)), run_dir, 300)
         if rc != 0:
             raise SystemExit(f"the failure-free reference run failed (rc {rc}):\n{out[-3000:]}")
-        chunks = max(-(-e["payload_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
+        chunks = max(-(-e["replicated_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
         cache[replication] = {**(read_result(run_dir) or {}), "chunks": chunks}
     return cache[replication]
 
@@ -194,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="keep every run's directory here (default: only failures)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run, then the totals")
     parser.add_argument("--program", choices=PROGRAMS, default="train", help="which training program the jobs run")
+    parser.add_argument("--per-step", action="store_true",
+                        help="train / ddp with every optimizer step a recovery point (TorchState(per_step=True))")
     parser.add_argument("--collective-kills", action="store_true",
                         help="every run: a SIGKILL inside a random step's first reduction, a spare, bitwise")
     args = parser.parse_args(argv)
-    program = (PROGRAMS[args.program], *ARGS)
+    if args.per_step and args.program == "fsdp":
+        parser.error("--per-step: train or ddp (fsdp.py recovers through DCP checkpoints, committed every few steps)")
+    program = (PROGRAMS[args.program], *ARGS) + (("--per-step",) if args.per_step else ())
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     keep = args.keep or ROOT / "elastic-run" / f"chaos-{args.seed}"

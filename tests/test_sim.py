@@ -157,3 +157,92 @@ def test_state_that_differs_across_ranks_is_refused_on_every_rank_and_the_last_v
     assert "last version is kept" in str(refused.value) and not job.of("finished")
     committed = {r: [e["version"] for e in job.of("committed") if e["logical"] == r] for r in range(4)}
     assert committed == {r: [0, 1, 2, 3, 4, 5] for r in range(4)}  # step 6's, refused, replaced nothing anywhere
+
+
+# ------------------------------------------------------------------ shared values and per-step points
+def test_the_shared_values_go_to_no_peer_and_a_replacement_gets_them_from_every_survivor(reference):
+    """The store replicates only the rank-unique values (the shards); the model every rank holds
+    alike stays in each rank's own roll-back copy, and the spare gets it from the three survivors."""
+    job = SimJob(4, spares=1, inject="1@3")
+    assert job.run(_main()) == reference
+    committed = job.of("committed")
+    assert all(e["replicated_bytes"] < e["payload_bytes"] - 4 * 8 for e in committed)  # w (4 float64) not sent
+    shared = job.of("shared_copied")
+    assert {(e["logical"], tuple(e["receivers"]), e["senders"]) for e in shared} == \
+        {(r, (1,), 3) for r in range(4)}  # the replacement (logical rank 1) and the three that sent to it
+
+
+LCG = (1103515245, 12345, 1 << 31)
+
+
+def _per_step_main(late_collective: bool = False):
+    """A per-step loop: each rank draws from its own stream in the 'forward' (rank-unique state),
+    the gradients are all-reduced, then the step point, then the update. ``computed``: the steps
+    whose forward ran here, so a step done twice shows."""
+    def main(world):
+        me = int(world.logical_rank)
+        state = elastic.State(world, per_step=True, local=("draw",), w=np.zeros(4), step=0,
+                              draw=np.array([me + 1], np.int64))
+        computed = []
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                state.draw = (state.draw * LCG[0] + LCG[1]) % LCG[2]
+                g = np.full(4, float(state.draw[0] % 1000) + state.step)
+                world.allreduce([g], step=state.step)
+                computed.append(state.step)
+                state.step_point()
+                state.w = state.w + g / world.size
+                state.step += 1
+                if late_collective:
+                    world.allreduce([np.zeros(1)])  # a loss all-reduce after the update: refused
+                state.record_step(state.step)
+            return {"w": state.w.tobytes().hex(), "draw": int(state.draw[0])}, computed
+        return train(world, state)
+    return main
+
+
+@pytest.fixture(scope="module")
+def per_step_reference():
+    return {r: result for r, (result, _) in SimJob(4).run(_per_step_main()).items()}
+
+
+@pytest.mark.parametrize("inject, redone", [
+    ("1@3", 0),         # after step 3's update: the survivors find out in step 4's all-reduce
+    ("1@c5", 0),        # inside step 5's all-reduce: nobody reached its step point
+    ("2@commit4", 1),   # inside step 3's step point (version 4): nobody applies step 3, it is done again
+    ("0@6", 0),         # rank 0, the root of the broadcasts
+])
+def test_every_step_is_a_recovery_point_and_only_the_step_in_flight_is_redone(per_step_reference, inject, redone):
+    job = SimJob(4, spares=1, inject=inject)
+    got = job.run(_per_step_main())
+    assert {r: result for r, (result, _) in got.items()} == per_step_reference  # bitwise, each rank's stream too
+    survivors = [r for r in range(4) if r != int(inject[0])]
+    for r in survivors:
+        computed = got[r][1]
+        assert sorted(set(computed)) == list(range(STEPS)) and len(computed) - STEPS == redone
+    assert [e["mode"] for e in job.of("rebuilt")] == ["spare"]
+    assert not [e for e in job.of("committed") if e["replicated_bytes"] != e["payload_bytes"]]  # w in no payload
+
+
+def test_after_a_shrink_per_step_the_survivors_go_on_from_the_step_in_flight():
+    job = SimJob(4, inject="2@c5", rebuild=("shrink",))
+    got = job.run(_per_step_main())
+    assert sorted(got) == [0, 1, 3] and len({got[r][0]["w"] for r in got}) == 1
+    assert all(got[r][1] == list(range(STEPS)) for r in got)  # no step done twice
+
+
+def test_a_collective_between_the_step_point_and_the_steps_end_is_refused_on_every_rank():
+    job = SimJob(4)
+    with pytest.raises(elastic.ConfigError, match="a collective ran between the step point"):
+        job.run(_per_step_main(late_collective=True))
+    assert not job.of("finished")
+
+
+def test_per_step_misuse_is_refused_saying_what_to_do():
+    world = SimJob(2).rank(0)
+    with pytest.raises(elastic.ConfigError, match="make the State with per_step=True"):
+        elastic.State(world, step=0).step_point()
+    with pytest.raises(elastic.ConfigError, match="a sharded optimizer"):
+        elastic.TorchState(world, per_step=True, shard_optimizer=True)

@@ -44,6 +44,11 @@ def test_spare_substitute_is_bitwise_with_phases_recorded(tmp_path, reference):
     assert len(restored) == 4 and {e["version"] for e in restored} == {2}
     assert [e["logical"] for e in job.of("promoted")] == [1]
     assert 0 < ettr(job.events) < 1
+    # The model and optimizer every rank holds alike went to no peer: each commit replicated only
+    # the RNG states and the index (kilobytes of a ~1 MB payload); the spare got them from the 3 survivors.
+    assert all(e["replicated_bytes"] < e["payload_bytes"] // 20 for e in job.of("committed"))
+    assert {(e["logical"], tuple(e["receivers"]), e["senders"]) for e in job.of("shared_copied")} == \
+        {(r, (1,), 3) for r in range(4)}
 
 
 def test_spawned_replacement_is_bitwise(tmp_path, reference):
@@ -63,10 +68,15 @@ def test_no_process_unpickles_what_a_peer_sent(tmp_path, reference):
     assert [e["logical"] for e in job.of("promoted")] == [1] and len(job.of("spawned")) == 1
 
 
-def test_losing_logical_rank_zero_is_bitwise(tmp_path, reference):
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "0@13", program=TRAIN)
+def test_losing_logical_rank_zero_per_step_is_bitwise_and_redoes_nothing(tmp_path, reference):
+    # Every optimizer step a recovery point: the same bits as the failure-free run (which commits
+    # every 5 steps), and no step done twice (the multi-step commit redoes 3 here).
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "0@13", program=TRAIN + ("--per-step",))
     assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
-    assert single_rebuild(job)["failed"] == [0]
+    row = single_rebuild(job)
+    assert row["failed"] == [0] and row["redone"] == 0
+    assert {e["version"] for e in job.of("state_restored")} == {15}  # sync's, 13 step points, 2 commits
+    assert all(e["replicated_bytes"] == e["payload_bytes"] for e in job.of("committed"))  # only unique values
 
 
 def test_kill_in_the_middle_of_a_commit_is_bitwise(tmp_path, reference):

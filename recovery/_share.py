@@ -1,0 +1,73 @@
+"""Values every active rank holds alike, copied to the ranks that lack them: no replicas kept.
+
+In data-parallel training the model and the optimizer are the same on every rank. Peer copies of
+them would duplicate what every survivor holds anyway, so the store never takes them: a
+replacement gets them from the survivors, each survivor sending an equal share of the bytes (no
+one rank sends it all), straight from and into the arrays where they lie.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+from elastic.comm import Group, ProcessFailure, Unrecoverable, agreed
+
+
+def share(world: Group, arrays: Mapping[str, np.ndarray] | None,
+          receivers: Sequence[int]) -> dict[str, np.ndarray] | None:
+    """Copy ``arrays`` (name -> array, alike on every rank that passes them) from the active ranks
+    that have them to the logical ranks ``receivers`` (which pass None) (collective over the
+    active ranks). Returns, on a receiver, the arrays (its own, writable); None elsewhere.
+
+    Raises:
+        ProcessFailure: a rank failed during the transfer (on every rank: a vote).
+        Unrecoverable: every active rank is a receiver: no rank has the values (on every rank).
+    """
+    active = [int(r) for r in world.logical_ranks]
+    me, taking = int(world.logical_rank), set(receivers)
+    senders = [r for r in active if r not in taking]
+    if not senders:
+        raise agreed(Unrecoverable("no active rank holds the values every rank shares (every one that did died): "
+                                   "nothing to copy them from"))
+    root = active.index(senders[0])
+    manifest = world.bcast([[name, a.dtype.str, list(a.shape)] for name, a in sorted(arrays.items())]
+                           if me == senders[0] and arrays is not None else None, root=root)
+    out: dict[str, np.ndarray] | None = None
+    if me in taking:
+        out = {name: np.empty(tuple(shape), np.dtype(dtype)) for name, dtype, shape in manifest}
+        parts = [out[name].reshape(-1).view(np.uint8) for name, _, _ in manifest]
+    else:
+        assert arrays is not None
+        parts = [np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8) for name, _, _ in manifest]
+    total = sum(p.nbytes for p in parts)
+    bounds = [total * i // len(senders) for i in range(len(senders) + 1)]
+    outgoing: dict[int, list[np.ndarray]] = {}
+    incoming: dict[int, list[np.ndarray]] = {}
+    if me in taking:
+        incoming = {s: byte_slices(parts, bounds[i], bounds[i + 1] - bounds[i]) for i, s in enumerate(senders)}
+    else:
+        i = senders.index(me)
+        mine = byte_slices(parts, bounds[i], bounds[i + 1] - bounds[i])
+        outgoing = {r: mine for r in receivers}
+    try:
+        world.exchange(outgoing, incoming, point="restore")
+        ok = True
+    except ProcessFailure:
+        ok = False
+    world.vote(ok, "a rank could not finish its part of copying the shared values")
+    world.events.emit("shared_copied", receivers=sorted(taking), senders=len(senders), bytes=int(total))
+    return out
+
+
+def byte_slices(segments: list[np.ndarray], start: int, size: int) -> list[np.ndarray]:
+    """The parts of the byte arrays ``segments`` that make up bytes [start, start + size) of their
+    concatenation (views, no copy)."""
+    out, offset = [], 0
+    for seg in segments:
+        lo, hi = max(start, offset), min(start + size, offset + seg.nbytes)
+        if lo < hi:
+            out.append(seg[lo - offset:hi - offset])
+        offset += seg.nbytes
+        if offset >= start + size:
+            break
+    return out
