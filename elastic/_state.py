@@ -189,10 +189,11 @@ class State:
         """The recovery point of the step in flight (collective over the active ranks); with
         ``per_step=True``. ``TorchState`` calls it before each optimizer step.
 
-        Call it after the step's last collective and before its update: every rank votes, and
-        either every one goes on to the update (the rank-unique values as they are now, the
-        RNG states say, are then replicated and current) or none does (``ProcessFailure``
-        everywhere, the update not applied). A later failure finds every survivor past the
+        Call it after the step's last collective, once the rank-unique values are what the
+        step makes them (the RNG states after the forward; a ZeRO shard after its update), and
+        before the values every rank holds alike change (the model's update): every rank votes,
+        and either every one goes on (the unique values as they are now are replicated and
+        current) or none does (``ProcessFailure`` everywhere, the shared values untouched). A later failure finds every survivor past the
         update, with the shared values alike: the job resumes from them, at the next step.
         So between here and ``record_step`` (the step's end, which every step must reach) a
         step does only local work: the update, ``state.step += 1``; a collective there (a loss
@@ -282,11 +283,11 @@ class State:
         if not lacking:
             return
         me = int(world.logical_rank)
-        mine = None if me in lacking else {name: a for name, a in self._capture().items()
-                                           if not self._is_local(name) or name == INDEX}
+        mine = None if me in lacking else {name: a for name, a in self._capture().items() if not self._is_local(name)}
         got = share(world, mine, lacking)
-        if got is not None:
-            self._apply(got)
+        if got is not None:  # the kinds of values it has no handler for yet: from its own index, recovered
+            index = self._store.restore().get(INDEX) if self.version is not None else None
+            self._apply(got if index is None else {**got, INDEX: index})
             self._holds_shared = True
 
     def _is_local(self, name: str) -> bool:

@@ -17,8 +17,8 @@ The state per rank is ``--sizes`` MB, laid out (``layout``):
 
 ``mode``: ``none`` (no State: the loop alone), ``commit1`` / ``commit10``
 (``state.commit()`` after every / every 10th step), ``step`` (``State(per_step=True)``:
-``step_point()`` before the update; the replicated layout only: a sharded
-optimizer's state changes after the point). Per row: steps/s (the median step
+``step_point()`` between the update of what is rank-unique, the shard, and the
+update of what every rank holds, the model; its replication is synchronous). Per row: steps/s (the median step
 of the last two thirds), ``blocked_fraction`` (the median time the loop spends
 in the State's calls per step, over the median step, on the rank that gets
 there last: the others' time there includes waiting for it), memory over the state
@@ -102,14 +102,14 @@ def worker(args: argparse.Namespace) -> int:
             v.rng = (v.rng * 1103515245 + 12345) % (1 << 31)  # this rank's draws
             grad[:] = float(v.rng[0] % 7)
             world.allreduce([grad], step=v.step)
+            for name in [k for k in values if k.startswith("opt.")]:
+                value(name)[:grad.size] += 1e-6  # the update of this rank's optimizer shard: before the point
             wait = 0.0
             if args.mode == "step":
                 t = time.perf_counter()
                 state.step_point()
                 wait += time.perf_counter() - t
-            v.w[:grad.size] += 1e-6 * grad  # the update: the model changes (its first MB)
-            for name in [k for k in values if k.startswith("opt.")]:
-                value(name)[:grad.size] += 1e-6  # and this rank's optimizer shard
+            v.w[:grad.size] += 1e-6 * grad  # the update of the model every rank holds: after it
             v.step += 1
             if state is not None:
                 state.record_step(v.step)
@@ -191,8 +191,6 @@ def main() -> int:
             for mb in args.sizes:
                 for step_ms in args.step_ms:
                     for mode in modes:
-                        if mode == "step" and layout == "sharded":
-                            continue  # not offered: a sharded optimizer changes its state after the point
                         rows.append(row(layout, mb, step_ms, mode, args, Path(tmp)))
                         if args.json:
                             print(json.dumps(rows[-1]), flush=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic.recovery import DataLost
+from elastic.recovery import DataLost, share
 from elastic.testing import SimJob
 
 STEPS = 8
@@ -246,3 +246,42 @@ def test_per_step_misuse_is_refused_saying_what_to_do():
         elastic.State(world, step=0).step_point()
     with pytest.raises(elastic.ConfigError, match="a sharded optimizer"):
         elastic.TorchState(world, per_step=True, shard_optimizer=True)
+
+
+def test_ranks_whose_own_values_have_other_names_share_only_what_they_hold_alike():
+    """Each rank's unique values have names of its own (their index differs in length across
+    ranks, as FSDP2's shard names do): the spare gets the shared values, and its own back."""
+    def main(world):
+        me = int(world.logical_rank)
+        state = elastic.State(world, local=("own",), w=np.zeros(3), step=0, **{"own." + "x" * (me + 1): np.full(2, me)})
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                g = np.full(3, float(me + 1))
+                world.allreduce([g], step=state.step)
+                state.w = state.w + g
+                state.step += 1
+                state.record_step(state.step)
+                state.commit()
+            return state.w.tolist(), sorted(state.names())
+        return train(world, state)
+    job = SimJob(4, spares=1, inject="2@3")
+    got = job.run(main)
+    assert got == {r: ([10.0 * STEPS] * 3, sorted(["own." + "x" * (r + 1), "step", "w"])) for r in range(4)}
+
+
+def test_share_cuts_the_bytes_among_the_senders_at_any_boundary():
+    """Two receivers, three senders, arrays of odd sizes, an empty one and mixed dtypes: every byte
+    arrives where it belongs (the ranges cut arrays in the middle)."""
+    values = {"a": np.arange(7, dtype=np.uint8), "b": np.zeros(0), "c": np.linspace(0, 1, 13).astype(np.float32),
+              "d": np.arange(6, dtype=np.int64).reshape(2, 3)}
+
+    def main(world):
+        me = int(world.logical_rank)
+        return share(world, None if me in (1, 3) else values, [1, 3])
+    got = SimJob(5).run(main)
+    assert got[0] is None and got[2] is None and got[4] is None
+    for r in (1, 3):
+        assert {k: (v.dtype, v.shape, v.tobytes()) for k, v in got[r].items()} == \
+            {k: (v.dtype, v.shape, v.tobytes()) for k, v in values.items()}
