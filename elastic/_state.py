@@ -193,8 +193,9 @@ class State:
         step makes them (the RNG states after the forward; a ZeRO shard after its update), and
         before the values every rank holds alike change (the model's update): every rank votes,
         and either every one goes on (the unique values as they are now are replicated and
-        current) or none does (``ProcessFailure`` everywhere, the shared values untouched). A later failure finds every survivor past the
-        update, with the shared values alike: the job resumes from them, at the next step.
+        current) or none does (``ProcessFailure`` everywhere, the shared values untouched). A
+        later failure finds every survivor past the update, with the shared values alike: the
+        job resumes from them, at the next step.
         So between here and ``record_step`` (the step's end, which every step must reach) a
         step does only local work: the update, ``state.step += 1``; a collective there (a loss
         all-reduce: put it before the optimizer step) is refused at ``record_step`` with a

@@ -137,8 +137,8 @@ class DistributedDataParallel:
     DDP averages gradients over the ranks: for the global mean of a global batch shared unevenly
     (``GlobalBatches``), make each rank's loss ``sum over its samples * world.size / global batch``.
 
-    On the ``ulfm`` group the gradients go in one all-reduce per backward, laid out by parameter
-    (``_Gradients``). On Gloo each parameter is its own bucket unless ``ddp_options`` say
+    On the ``ulfm`` group the gradients go in one all-reduce per backward, laid out by parameter,
+    last first (``_Gradients``). On Gloo each parameter is its own bucket unless ``ddp_options`` say
     otherwise: DDP buckets a fresh wrapper's first step in another layout than its later ones,
     and a ring all-reduce rounds each element by where it lies in its bucket, so after a re-wrap
     the sums would differ in the last bits from a run that never re-wrapped. Pass
