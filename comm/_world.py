@@ -132,12 +132,6 @@ class World:
             if not _collectives.agree(self._comm, int(ok)):
                 raise ProcessFailure(why)
 
-    def agree_all(self, flag: bool) -> bool:
-        """True on every active rank iff every one passed True, False on every one otherwise
-        (collective, one ULFM Agree)."""
-        with self._guard():
-            return bool(_collectives.agree(self._comm, int(flag)))
-
     def agree_equal(self, value: int, ok: bool = True) -> bool:
         """True on every active rank iff every one passed the same ``value`` (its low 30 bits) and
         ``ok``; False on every one otherwise (collective, three ULFM Agrees: O(log n), no table)."""

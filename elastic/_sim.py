@@ -295,9 +295,6 @@ class SimRank:
         if not all(self._job._collective(self, bool(ok)).values()):
             raise ProcessFailure(why)
 
-    def agree_all(self, flag: bool) -> bool:
-        return all(self._job._collective(self, bool(flag)).values())
-
     def agree_equal(self, value: int, ok: bool = True) -> bool:
         got = self._job._collective(self, (value & 0x3FFFFFFF, bool(ok))).values()
         return len({v for v, _ in got}) == 1 and all(k for _, k in got)

@@ -1,9 +1,10 @@
 """elastic.recovery: replicated in-memory state and the recovery policies (built on elastic.comm).
 
 ``ReplicatedStore`` keeps every rank's state in its peers' memory (two-phase
-commits, checksums, balanced recovery) for what is rank-unique; ``share`` copies
-what every rank holds alike to a replacement, from the survivors; ``place_replicas`` / ``plan_transfers``
-are its placement and recovery-plan logic; ``Policy`` decides, at each rebuild,
+commits, checksums, balanced recovery); ``share`` copies what every rank holds
+alike (which the store need not replicate) to a replacement, from the
+survivors; ``place_replicas`` / ``plan_transfers`` are its placement and
+recovery-plan logic; ``Policy`` decides, at each rebuild,
 between a spare, a spawned process and shrinking; ``plan_stage_recovery`` /
 ``checkfree_average`` bring a lost pipeline stage back from a replica or, with
 none, from its neighbours (CheckFree / CheckFree+).

@@ -247,10 +247,11 @@ class ReplicatedStore:
         error: Exception | None = None
         try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
             # Steady (every rank's payload the size it was at the last commit of this generation): the
-            # holders know what comes, so one Agree replaces the checks and the announcement.
+            # holders know what comes, and the version check needs no announcement after it.
             shape = (world.generation, replicated)
-            steady = world.agree_all(bad_input is None and self._told is not None and self._told[0] == shape)
-            if not steady:
+            steady = world.agree_equal(version, ok=bad_input is None and self._told is not None and
+                                       self._told[0] == shape)
+            if not steady:  # the first commit of a generation, a size changed, or a refusal: said in full
                 self._check_together(version, bad_input)
             layout = self._active_layout()
             n_chunks = -(-replicated // self.chunk_bytes)

@@ -1,6 +1,6 @@
 """What a recovery point costs per training step: none, a commit every 1 or 10 steps, or the per-step point.
 
-    python scripts/bench_step.py [--sizes 128] [--step-ms 200] [--ranks 4] [--steps 24] [--json]
+    python scripts/bench_step.py [--sizes 128] [--step-ms 200] [--ranks 4] [--steps 24] [--repeat 3] [--json]
     python scripts/bench_step.py --sizes 16 128 512 --step-ms 50 200 --layouts replicated,sharded
 
 A data-parallel loop on numpy (no torch: the state's bytes are the whole story)
@@ -18,8 +18,10 @@ The state per rank is ``--sizes`` MB, laid out (``layout``):
 ``mode``: ``none`` (no State: the loop alone), ``commit1`` / ``commit10``
 (``state.commit()`` after every / every 10th step), ``step`` (``State(per_step=True)``:
 ``step_point()`` between the update of what is rank-unique, the shard, and the
-update of what every rank holds, the model; its replication is synchronous). Per row: steps/s (the median step
-of the last two thirds), ``blocked_fraction`` (the median time the loop spends
+update of what every rank holds, the model; its replication is synchronous).
+Per row, from the median of ``--repeat`` failure-free runs alternated over
+the modes (a slow spell of this shared machine lands on every mode alike):
+steps/s (the median step of the last two thirds), ``blocked_fraction`` (the median time the loop spends
 in the State's calls per step, over the median step, on the rank that gets
 there last: the others' time there includes waiting for it), memory over the state
 (RSS above what the process held before its state, steady after the run and at
@@ -146,23 +148,42 @@ def launch(run_dir: Path, ranks: int, inject: str, worker_args: list[str]) -> li
     return read_events(run_dir)
 
 
-def row(layout: str, mb: int, step_ms: float, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+def clean_run(layout: str, mb: int, step_ms: float, mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    """One failure-free run: steps/s, blocking, memory."""
     worker_args = ["--layout", layout, "--mb", str(mb), "--step-ms", str(step_ms), "--mode", mode,
                    "--steps", str(args.steps)]
-    name = f"{layout}-{mb}-{step_ms}-{mode}"
-    results = [e for e in launch(tmp / name, args.ranks, "", worker_args) if e["event"] == "result"]
-    out = {"layout": layout, "mb": mb, "step_ms": step_ms, "mode": mode, "ranks": args.ranks,
-           "steps_per_s": 1 / max(e["step_s"] for e in results),  # the slowest rank sets the pace
-           # The rank that reaches the State's calls last waits for no peer there: its time in them is
-           # what the protocol itself blocks a step for (the others' includes waiting for the last).
-           "blocked_fraction": min(e["blocked_s"] / e["step_s"] for e in results),
-           "memory_over_state": max(e["memory"] for e in results), "peak_over_state": max(e["peak"] for e in results),
-           "down_s": None, "lost": None}
-    if mode != "none":
-        events = launch(tmp / f"{name}-kill", args.ranks, f"1@{args.steps // 2}", worker_args)
-        rebuild = timeline(events)[0]
-        out.update(down_s=rebuild["down"] / 1e3, lost=rebuild["redone"])
-    return out
+    results = [e for e in launch(run_dir, args.ranks, "", worker_args) if e["event"] == "result"]
+    return {"steps_per_s": 1 / max(e["step_s"] for e in results),  # the slowest rank sets the pace
+            # The rank that reaches the State's calls last waits for no peer there: its time in them is
+            # what the protocol itself blocks a step for (the others' includes waiting for the last).
+            "blocked_fraction": min(e["blocked_s"] / e["step_s"] for e in results),
+            "memory_over_state": max(e["memory"] for e in results),
+            "peak_over_state": max(e["peak"] for e in results)}
+
+
+def group_rows(layout: str, mb: int, step_ms: float, modes: list[str], args: argparse.Namespace,
+               tmp: Path) -> list[dict]:
+    """The modes of one (layout, size, step): their failure-free runs alternated ``--repeat``
+    times (the median run of each counts: a slow spell of this shared machine lands on every
+    mode alike), then one run with a kill per mode."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for i in range(args.repeat):
+        for mode in modes:
+            runs[mode].append(clean_run(layout, mb, step_ms, mode, args, tmp / f"{layout}-{mb}-{step_ms}-{mode}-{i}"))
+    rows = []
+    for mode in modes:
+        median = sorted(runs[mode], key=lambda r: r["steps_per_s"])[len(runs[mode]) // 2]
+        row = {"layout": layout, "mb": mb, "step_ms": step_ms, "mode": mode, "ranks": args.ranks, **median,
+               "down_s": None, "lost": None}
+        if mode != "none":
+            worker_args = ["--layout", layout, "--mb", str(mb), "--step-ms", str(step_ms), "--mode", mode,
+                           "--steps", str(args.steps)]
+            events = launch(tmp / f"{layout}-{mb}-{step_ms}-{mode}-kill", args.ranks, f"1@{args.steps // 2}",
+                            worker_args)
+            rebuild = timeline(events)[0]
+            row.update(down_s=rebuild["down"] / 1e3, lost=rebuild["redone"])
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
@@ -177,6 +198,7 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="none first: the base of the ratios")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per row, alternated (median)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
     if args.worker:
@@ -190,15 +212,15 @@ def main() -> int:
         for layout in layouts:
             for mb in args.sizes:
                 for step_ms in args.step_ms:
-                    for mode in modes:
-                        rows.append(row(layout, mb, step_ms, mode, args, Path(tmp)))
+                    for r in group_rows(layout, mb, step_ms, modes, args, Path(tmp)):
+                        rows.append(r)
                         if args.json:
-                            print(json.dumps(rows[-1]), flush=True)
+                            print(json.dumps(r), flush=True)
     if args.json:
         return 0
-    print(f"{args.ranks} ranks + 1 spare, {args.steps} steps; memory: RSS above the process before its state, "
-          "over the state (steady / peak); kill of logical rank 1 at step "
-          f"{args.steps // 2}, the spare takes over")
+    print(f"{args.ranks} ranks + 1 spare, {args.steps} steps, the median of {args.repeat} alternated runs; "
+          "memory: RSS above the process before its state, over the state (steady / peak); kill of logical "
+          f"rank 1 at step {args.steps // 2}, the spare takes over")
     print(" | ".join(("layout", "MB", "step ms", "mode", "steps/s", "vs none", "blocked", "memory", "peak",
                       "down s", "lost")))
     base = {(r["layout"], r["mb"], r["step_ms"]): r["steps_per_s"] for r in rows if r["mode"] == "none"}

@@ -285,3 +285,20 @@ def test_share_cuts_the_bytes_among_the_senders_at_any_boundary():
     for r in (1, 3):
         assert {k: (v.dtype, v.shape, v.tobytes()) for k, v in got[r].items()} == \
             {k: (v.dtype, v.shape, v.tobytes()) for k, v in values.items()}
+
+
+def test_the_first_sync_moves_the_shared_values_only_to_the_ranks_that_differ():
+    def main(world):
+        me = int(world.logical_rank)
+        state = elastic.State(world, w=np.full(3, 1.0 if me in (0, 2) else float(me + 10)), step=0)
+
+        @elastic.run
+        def train(world, state):
+            return state.w.tolist()
+        return train(world, state)
+    job = SimJob(4)
+    assert job.run(main) == {r: [1.0, 1.0, 1.0] for r in range(4)}  # the first survivor's, everywhere
+    assert {(tuple(e["receivers"]), e["senders"]) for e in job.of("shared_copied")} == {((1, 3), 2)}
+    alike = SimJob(4)
+    alike.run(lambda world: elastic.run(lambda world, state: None)(world, elastic.State(world, w=np.ones(3))))
+    assert not alike.of("shared_copied")  # a seeded start moves nothing
