@@ -52,6 +52,7 @@ from ._share import byte_slices
 # Who takes a removed rank's state after a shrink: removed -> survivor, or a function of (removed, survivors).
 Adopt = Mapping[int, int] | Callable[[list[int], list[int]], Mapping[int, int]]
 _ALIGN = 64  # the header is padded so that the fields start aligned
+_INLINE_SUMS = 1 << 20  # copies up to this size are checksummed at once (XXH3: ~0.2 ms), not in a thread
 
 
 def checksum(data: np.ndarray) -> int:
@@ -290,8 +291,8 @@ class ReplicatedStore:
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()
-            if self._backing.checksums_first:
-                for h in held.values():
+            if self._backing.checksums_first or buffer.nbytes <= _INLINE_SUMS:
+                for h in held.values():  # (a few kilobytes, a per-step point's: cheaper than a thread)
                     h.sums = self._sums(h.data)
             else:
                 self._hash_later(held)  # the holder checks what it keeps, off everyone's path
