@@ -162,17 +162,22 @@ def _kill_node() -> None:
         daemon = int(_proc_field(daemon, "ppid") or 1)
     if daemon <= 1:  # no node daemon above (mpiexec runs this host's ranks itself): the process only
         os.kill(os.getpid(), signal.SIGKILL)
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            parent = _proc_field(int(entry.name), "ppid")
-            if parent:
-                children.setdefault(int(parent), []).append(int(entry.name))
+    for pid in pids:
+        parent = _proc_field(pid, "ppid")
+        if parent:
+            children.setdefault(int(parent), []).append(pid)
     node, todo = [], [daemon]
     while todo:
         pid = todo.pop()
         node.append(pid)
         todo.extend(children.get(pid, []))
+    uts = _namespace(os.getpid())
+    if uts is not None and uts != _namespace(1):
+        # A simulated node is its own UTS namespace: all of it goes, whatever the process tree says
+        # (a rank of a killed fake node was once found alive, not below the daemon the walk found).
+        node += [pid for pid in pids if pid not in node and _namespace(pid) == uts]
     others = [p for p in node if p != os.getpid()]
     for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: nothing on the node reacts to the rest dying
         for pid in others:
@@ -181,6 +186,14 @@ def _kill_node() -> None:
             except ProcessLookupError:
                 pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _namespace(pid: int) -> str | None:
+    """The UTS namespace of a process (None when it is gone or hidden)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/uts")
+    except OSError:
+        return None
 
 
 def _kill_runtime() -> None:
