@@ -244,14 +244,11 @@ class State:
             raise agreed(Unrecoverable(f"ranks restored different versions {versions}: the store's agreement broke "
                                        "(a bug, please report it)"))
         if versions[0] is None:
-            shared = {k: v for k, v in self._capture().items() if not self._is_local(k)}
-            everyone = world.allgather(self._fingerprints(shared))
+            everyone = world.allgather(self._fingerprints(self._shared_values()))
             first = everyone[world.job.first_survivor]
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
-                got = share(world, None if int(world.logical_rank) in differ else shared, differ)
-                if got is not None:
-                    self._apply(got)
+                self._share_to(differ)
             self.commit()
         self._clock.restart()
 
@@ -288,15 +285,21 @@ class State:
         ranks = [int(r) for r in world.logical_ranks]
         lacking = [r for r, holds in zip(ranks, world.allgather(self._holds_shared)) if not holds]
         self._in_step = False  # a failure between a step point and the step's end: only local work was left
-        if not lacking:
-            return
-        me = int(world.logical_rank)
-        mine = None if me in lacking else {name: a for name, a in self._capture().items() if not self._is_local(name)}
-        got = share(world, mine, lacking)
+        if lacking:
+            self._share_to(lacking)
+
+    def _share_to(self, lacking: list[int]) -> None:
+        """The shared values from the other active ranks to the logical ranks ``lacking`` (collective)."""
+        mine = None if int(self._world.logical_rank) in lacking else self._shared_values()
+        got = share(self._world, mine, lacking)
         if got is not None:  # the kinds of values it has no handler for yet: from its own index, recovered
             index = self._store.restore().get(INDEX) if self.version is not None else None
             self._apply(got if index is None else {**got, INDEX: index})
             self._holds_shared = True
+
+    def _shared_values(self) -> dict[str, np.ndarray]:
+        """The values every rank holds alike, as arrays (local; views of the live values)."""
+        return {name: a for name, a in self._capture().items() if not self._is_local(name)}
 
     def _is_local(self, name: str) -> bool:
         return name in self._local or name.split(".", 1)[0] in self._local
