@@ -156,19 +156,18 @@ class FaultInjector:
 
 
 def _kill_node() -> None:
-    """SIGKILL this process's node: the runtime daemon above it (``prted``) and all it started."""
+    """SIGKILL this process's node: the runtime daemon above it (``prted``) and all it started; on a
+    simulated node, every process of its UTS namespace as well."""
     daemon = os.getpid()
     while daemon > 1 and _proc_field(daemon, "comm") != "prted":
         daemon = int(_proc_field(daemon, "ppid") or 1)
-    if daemon <= 1:  # no node daemon above (mpiexec runs this host's ranks itself): the process only
-        os.kill(os.getpid(), signal.SIGKILL)
     pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
     children: dict[int, list[int]] = {}
     for pid in pids:
         parent = _proc_field(pid, "ppid")
         if parent:
             children.setdefault(int(parent), []).append(pid)
-    node, todo = [], [daemon]
+    node, todo = [], [daemon] if daemon > 1 else []  # no daemon above: mpiexec runs this host's ranks itself
     while todo:
         pid = todo.pop()
         node.append(pid)
@@ -176,7 +175,8 @@ def _kill_node() -> None:
     uts = _namespace(os.getpid())
     if uts is not None and uts != _namespace(1):
         # A simulated node is its own UTS namespace: all of it goes, whatever the process tree says
-        # (a rank of a killed fake node was once found alive, not below the daemon the walk found).
+        # (a rank of a killed fake node was once found alive, not below the daemon the walk found,
+        # or with no daemon found above the injecting rank at all).
         node += [pid for pid in pids if pid not in node and _namespace(pid) == uts]
     others = [p for p in node if p != os.getpid()]
     for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: nothing on the node reacts to the rest dying
