@@ -7,7 +7,8 @@ survivors; ``place_replicas`` / ``plan_transfers`` are its placement and
 recovery-plan logic; ``Policy`` decides, at each rebuild,
 between a spare, a spawned process and shrinking; ``plan_stage_recovery`` /
 ``checkfree_average`` bring a lost pipeline stage back from a replica or, with
-none, from its neighbours (CheckFree / CheckFree+).
+none, from its neighbours (CheckFree / CheckFree+); ``plan_mesh_recovery`` does
+it for a data x pipeline mesh, a live data-parallel twin first.
 
 The store (which needs MPI) loads on first use.
 """
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING
 from elastic.comm.runtime import lazy_exports
 
 from ._errors import CommitRejected, NothingCommitted
-from ._checkfree import LR_BOOST, StageRecovery, checkfree_average, plan_stage_recovery, replica_holders
+from ._checkfree import (LR_BOOST, MeshRecovery, StageRecovery, checkfree_average, plan_mesh_recovery,
+                         plan_stage_recovery, replica_holders)
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 
@@ -29,5 +31,6 @@ __getattr__, __dir__ = lazy_exports(globals(), {
 })
 
 __all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
-           "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery", "checkfree_average",
+           "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery",
+           "MeshRecovery", "plan_mesh_recovery", "checkfree_average",
            "replica_holders", "LR_BOOST", "Adopt", "share"]

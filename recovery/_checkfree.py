@@ -98,6 +98,47 @@ def plan_stage_recovery(stages: int, lost: set[int], replicas: Mapping[int, set[
     return [plan[s] for s in sorted(plan)]
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshRecovery:
+    """How one lost rank of a data x pipeline mesh gets its stage back: ``method`` is "twin" (the
+    exact state of a live rank of the same stage in another data-parallel replica), "checkfree" or
+    "checkfree+" (every twin is gone: from the neighbouring stages); ``sources`` are logical ranks."""
+
+    rank: int
+    stage: int
+    method: str
+    sources: tuple[int, ...]
+
+
+def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = False) -> list[MeshRecovery]:
+    """Decide, for each lost rank of a ``dp`` x ``pp`` mesh (logical rank = replica * pp + stage),
+    how its stage comes back: a live twin first (exact), else CheckFree(+) from the neighbouring
+    stages of live ranks, else ``Unrecoverable`` naming the stages (local, deterministic: every
+    rank plans alike). Every replica of a stage rebuilt by CheckFree takes the same sources, so
+    the replicas are equal again.
+
+    Raises:
+        Unrecoverable: a stage lost on every replica that CheckFree cannot rebuild either.
+    """
+    def live(stage: int) -> list[int]:
+        return [d * pp + stage for d in range(dp) if d * pp + stage not in lost]
+
+    gone = {r % pp for r in lost if not live(r % pp)}
+    try:
+        by_stage = {p.stage: p for p in plan_stage_recovery(pp, gone, {}, checkfree_plus)} if gone else {}
+    except Unrecoverable as exc:
+        raise Unrecoverable(f"every data-parallel replica of stage(s) {sorted(gone)} was lost: {exc}") from None
+    plan = []
+    for rank in sorted(lost):
+        stage = rank % pp
+        if stage not in gone:
+            plan.append(MeshRecovery(rank, stage, "twin", (live(stage)[0],)))
+        else:
+            way = by_stage[stage]
+            plan.append(MeshRecovery(rank, stage, way.method, tuple(live(t)[0] for t in way.sources)))
+    return plan
+
+
 def replica_holders(stages: int) -> dict[int, set[int]]:
     """One replica per stage, on a stage that is not its neighbour where the pipeline allows, each
     stage holding exactly one (a perfect matching in the non-adjacency graph, by networkx).

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic import ConfigError, Unrecoverable
-from elastic.recovery import checkfree_average, plan_stage_recovery, replica_holders
+from elastic.recovery import checkfree_average, plan_mesh_recovery, plan_stage_recovery, replica_holders
 
 
 def test_average_weights_the_neighbour_with_the_larger_gradient_norm_more():
@@ -41,6 +41,49 @@ def test_what_checkfree_cannot_do_is_named():
     assert [(p.stage, p.method, p.sources) for p in plan] == [(2, "replica", (5,)), (3, "checkfree", (2, 4))]
     with pytest.raises(Unrecoverable, match="stage 3"):
         plan_stage_recovery(6, {2, 3}, {2: {3}})  # the replica died with the other stage
+
+
+def test_a_mesh_takes_a_lost_stage_from_a_live_twin_first_then_checkfree_then_says_what_it_cannot():
+    # 2 replicas x 3 stages: logical rank = replica * 3 + stage.
+    plan = plan_mesh_recovery(2, 3, {1})
+    assert [(p.rank, p.stage, p.method, p.sources) for p in plan] == [(1, 1, "twin", (4,))]
+    plan = plan_mesh_recovery(2, 3, {0, 4})  # a stage of each replica: both from their twins
+    assert [(p.rank, p.method, p.sources) for p in plan] == [(0, "twin", (3,)), (4, "twin", (1,))]
+    # Every replica of stage 1 gone: CheckFree from live neighbours, the same sources for both replicas,
+    # so the rebuilt replicas are equal again.
+    plan = plan_mesh_recovery(2, 3, {1, 4})
+    assert [(p.rank, p.method, p.sources) for p in plan] == [(1, "checkfree", (0, 2)), (4, "checkfree", (0, 2))]
+    plan = plan_mesh_recovery(2, 3, {1, 4, 0})  # a neighbour lost on one replica only still serves from its twin
+    assert [(p.rank, p.method, p.sources) for p in plan] == [
+        (0, "twin", (3,)), (1, "checkfree", (3, 2)), (4, "checkfree", (3, 2))]
+    plan = plan_mesh_recovery(2, 3, {2, 5}, checkfree_plus=True)
+    assert [(p.rank, p.method, p.sources) for p in plan] == [(2, "checkfree+", (1,)), (5, "checkfree+", (1,))]
+    with pytest.raises(Unrecoverable, match=r"every data-parallel replica of stage\(s\) \[1, 2\] was lost.*stage 1: a "
+                                            "neighbouring stage was lost too"):
+        plan_mesh_recovery(2, 3, {1, 2, 4, 5}, checkfree_plus=True)
+    # One replica is a pipeline: no twin, CheckFree as before.
+    assert [(p.method, p.sources) for p in plan_mesh_recovery(1, 4, {2})] == [("checkfree", (1, 3))]
+
+
+@settings(max_examples=50, deadline=None)
+@given(dp=st.integers(1, 4), pp=st.integers(2, 6), data=st.data())
+def test_a_mesh_plan_brings_every_lost_rank_back_from_live_ranks_or_names_the_stages(dp, pp, data):
+    lost = data.draw(st.sets(st.integers(0, dp * pp - 1), min_size=1, max_size=dp * pp - 1))
+    try:
+        plan = plan_mesh_recovery(dp, pp, lost, checkfree_plus=True)
+    except Unrecoverable as exc:
+        gone = sorted({r % pp for r in lost if all(d * pp + r % pp in lost for d in range(dp))})
+        assert f"stage(s) {gone}" in str(exc)
+        return
+    assert sorted(p.rank for p in plan) == sorted(lost)
+    for p in plan:
+        assert p.stage == p.rank % pp and not set(p.sources) & lost  # sources are live ranks
+        twin_alive = any(d * pp + p.stage not in lost for d in range(dp))
+        assert (p.method == "twin") == twin_alive
+        if p.method == "twin":
+            assert p.sources[0] % pp == p.stage
+        else:  # the same sources for every replica of the stage
+            assert {q.sources for q in plan if q.stage == p.stage} == {p.sources}
 
 
 @settings(max_examples=30, deadline=None)
