@@ -1,16 +1,19 @@
 """Pipeline parallelism that loses a stage and goes on: the roll-forward loop and the stage rebuild.
 
-Two ways back for a lost stage (see ``elastic.recovery.plan_stage_recovery``):
+Ways back for a lost stage:
 
 * a replica: commit the stage with ``TorchState`` and let ``elastic.run`` bring it
   back from peers' memory (every rank rolls back to the commit; exact);
 * no copy anywhere: ``roll_forward`` never rolls back. A step's update is applied
   only after a vote that every stage finished the step, so survivors never
-  disagree; after a rebuild ``StageRebuild`` brings the lost stages back from
-  their neighbours (CheckFree, Blagoev et al., arXiv 2506.15461: the
-  neighbours' blocks averaged by their last gradient norms; CheckFree+: an end
-  stage as a copy of its swapped neighbour, which kept a copy of the end
-  layer), and training goes on from the current step.
+  disagree; after a rebuild ``StageRebuild`` brings the lost stages back
+  (``elastic.recovery.plan_mesh_recovery`` decides): from a live
+  data-parallel twin where the pipeline is one of several replicas (a mesh,
+  ``elastic.mesh``: exact), else from their neighbours (CheckFree, Blagoev et
+  al., arXiv 2506.15461: the neighbours' blocks averaged by their last
+  gradient norms; CheckFree+: an end stage as a copy of its swapped
+  neighbour, which kept a copy of the end layer), and training goes on from
+  the current step.
 
 A stage is an ``nn.Module`` with ``body`` (its blocks: the same structure on
 every stage), ``embed`` on the first stage and ``head`` on the last.
@@ -23,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic.comm import Group, LogicalRank, ProcessFailure, Role, Unrecoverable, World, agreed
-from elastic.recovery import LR_BOOST, checkfree_average, plan_stage_recovery
+from elastic.recovery import LR_BOOST, checkfree_average, plan_mesh_recovery
 
 from ._state import StepClock, TorchState
 
@@ -39,8 +42,9 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
         compute: forward and backward of step ``s`` on this rank's stages; returns the loss.
             A ``ProcessFailure`` inside is voted on: no stage applies that step.
         apply: the update of step ``s`` (the optimizer step; local), after the vote.
-        rebuild: after a rebuild, brings back the stages in ``lost`` (collective over the new
-            world); returns the step to go on from, or None for the step the survivors were at.
+        rebuild: after a rebuild, brings back the stages of the logical ranks in ``lost`` (collective
+            over the new world; a failure inside it adds the next rebuild's to them); returns the step
+            to go on from, or None for the step the survivors were at.
         after: collective work once step ``s`` counts as done (``keep_end_copies``, a checkpoint).
         clock: records each step (events, progress line).
 
@@ -54,7 +58,11 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
     while True:
         try:
             if pending:
-                step = world.bcast(step, root=world.job.first_survivor)  # newcomers learn where the others are
+                # Every rank learns where the others are and what to bring back: a newcomer knows only
+                # its own rebuild, and one of an earlier, interrupted rebuild may not know the step yet.
+                known = world.allgather((step, sorted(lost)))
+                step, lost = max(k[0] for k in known), set().union(*(k[1] for k in known))
+                world.fault_point(None, "restore")  # the lost stages are about to be brought back
                 step = rebuild(lost) or step
                 pending = False
                 clock.restart()
@@ -72,8 +80,8 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
             if after is not None:
                 after(step)
             clock.step_done(step, loss, total=steps)
-        except ProcessFailure:
-            lost = {int(r) for r in world.recover(clock.outlook).replaced}
+        except ProcessFailure:  # a failure during a rebuild leaves its stages to bring back too
+            lost = (lost if pending else set()) | {int(r) for r in world.recover(clock.outlook).replaced}
             pending = True
     world.finish()
     return step
@@ -113,67 +121,90 @@ def body_grad_norm(stage: Any) -> float:
 
 
 class StageRebuild:
-    """Brings lost stages back from their neighbours (CheckFree, CheckFree+); collective over the stages.
+    """Brings lost stages back: from a live data-parallel twin (exact), else from their neighbours
+    (CheckFree, CheckFree+), as ``elastic.recovery.plan_mesh_recovery`` decides; collective.
 
     Args:
-        world: the world; stage ``s`` lives on logical rank ``s``.
+        world: the world; stage ``s`` of data-parallel replica ``d`` lives on logical rank
+            ``d * stages + s`` (a single pipeline: ``replicas=1``, stage ``s`` on logical rank ``s``;
+            ``elastic.mesh.Mesh`` lays a mesh out alike).
         stages: pipeline depth S.
         plus: CheckFree+ (the end stages were trained in swapped order half the time; stages 1 and
             S-2 keep copies of the embedding and the head through ``keep_end_copies``).
         average_moments: also average the neighbours' Adam moments (beyond the paper, which starts
             the rebuilt stage with a fresh optimizer).
+        replicas: data-parallel replicas of the pipeline (their stages kept equal by the program's
+            gradient all-reduce, e.g. ``Mesh.allreduce_stage``).
     """
 
-    def __init__(self, world: Group, stages: int, plus: bool = False, average_moments: bool = False) -> None:
+    def __init__(self, world: Group, stages: int, plus: bool = False, average_moments: bool = False,
+                 replicas: int = 1) -> None:
         self.world, self.stages, self.plus, self.average_moments = world, stages, plus, average_moments
+        self.replicas = replicas
         self.copies: dict[str, dict[str, np.ndarray]] = {}  # CheckFree+: the end layer this stage keeps
 
+    def _current(self, logical: int) -> int:
+        return self.world.logical_ranks.index(LogicalRank(logical))
+
     def keep_end_copies(self, stage: Any, me: int) -> None:
-        """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head (collective, after an update)."""
+        """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head, in each replica
+        (collective, after an update); ``me``: this rank's logical rank."""
         if not self.plus or self.stages < 3:
             return
         sends = {}
+        base = me - me % self.stages  # the first logical rank of this rank's replica
         for part, owner, keeper in (("embed", 0, 1), ("head", self.stages - 1, self.stages - 2)):
-            if me == owner:
-                sends[self.world.logical_ranks.index(LogicalRank(keeper))] = (part, _arrays(getattr(stage, part)))
+            if me % self.stages == owner:
+                sends[self._current(base + keeper)] = (part, _arrays(getattr(stage, part)))
         for got in self.world.alltoall(sends):
             if got is not None:
                 self.copies[got[0]] = got[1]
 
     def rebuild(self, lost: set[int], me: int, stage: Any, optimizer: Any, grad_norm: float,
-                make_optimizer: Callable[[float], Any], replicas: dict[int, set[int]] | None = None) -> Any:
-        """Bring back the stages in ``lost``: replica first (``replicas``: stage -> the ranks holding an exact
-        copy, e.g. from the store), else CheckFree, else CheckFree+ for an end stage, else ``Unrecoverable``
-        naming them, on every rank alike (collective). ``make_optimizer(lr_factor)`` gives a rebuilt stage
-        its fresh optimizer. Returns the optimizer this rank goes on with."""
+                make_optimizer: Callable[[float], Any]) -> tuple[Any, float]:
+        """Bring back the stages of the logical ranks in ``lost``: each from a live twin (its weights,
+        optimizer state, last gradient norm and end-layer copies: bitwise), else CheckFree, else
+        CheckFree+ for an end stage, else ``Unrecoverable`` naming the stages, on every rank alike
+        (collective). ``me``: this rank's logical rank; ``make_optimizer(lr_factor)`` gives a stage
+        rebuilt by CheckFree its fresh optimizer. Returns the optimizer and the gradient norm this
+        rank goes on with."""
         try:
-            plan = plan_stage_recovery(self.stages, lost, replicas or {}, self.plus)
-        except Unrecoverable as exc:  # every stage plans from the same agreed rebuild: stop together
+            plan = plan_mesh_recovery(self.replicas, self.stages, lost, self.plus)
+        except Unrecoverable as exc:  # every rank plans from the same agreed rebuild: stop together
             raise agreed(exc) from None
-        world = self.world
         sends: dict[int, list] = {}
-        for rebuilt in (r for r in plan if r.method != "replica" and me in r.sources):
-            sends.setdefault(world.logical_ranks.index(LogicalRank(rebuilt.stage)), []).append(
-                (me, _arrays(stage.body), grad_norm, _moments(stage, optimizer) if self.average_moments else {},
-                 self.copies))
-        received = [item for got in world.alltoall(sends) if got for item in got]
-        for rebuilt in (r for r in plan if r.stage == me and r.method != "replica"):
-            got = {src: (body, norm, moments, copies) for src, body, norm, moments, copies in received}
-            if rebuilt.method == "checkfree":
-                (b0, n0, m0, _), (b1, n1, m1, _) = got[rebuilt.sources[0]], got[rebuilt.sources[1]]
+        for way in plan:
+            if way.method == "twin" and me == way.sources[0]:
+                sends.setdefault(self._current(way.rank), []).append(
+                    (me, _arrays(stage), grad_norm, optimizer.state_dict(), self.copies))
+            elif way.method != "twin" and me in way.sources:
+                sends.setdefault(self._current(way.rank), []).append(
+                    (me, _arrays(stage.body), grad_norm,
+                     _moments(stage, optimizer) if self.average_moments else {}, self.copies))
+        received = {item[0]: item[1:] for got in self.world.alltoall(sends) if got for item in got}
+        for way in (w for w in plan if w.rank == me):
+            moments: Any = {}
+            if way.method == "twin":
+                weights, grad_norm, state, copies = received[way.sources[0]]
+                _load(stage, weights)
+                optimizer.load_state_dict(state)
+                self.copies = copies
+            elif way.method == "checkfree":
+                (b0, n0, m0, _), (b1, n1, m1, _) = received[way.sources[0]], received[way.sources[1]]
                 _load(stage.body, checkfree_average(b0, b1, n0, n1))
                 moments = checkfree_average(m0, m1, n0, n1) if m0 and m1 else {}
             else:  # checkfree+: the swapped neighbour's blocks, and the end layer it kept a copy of
-                body, _, moments, copies = got[rebuilt.sources[0]]
-                part = "embed" if rebuilt.stage == 0 else "head"
+                body, _, moments, copies = received[way.sources[0]]
+                part = "embed" if way.stage == 0 else "head"
                 _load(stage.body, body)
                 _load(getattr(stage, part), copies[part])
-            world.events.emit("stage_rebuilt", stage=rebuilt.stage, method=rebuilt.method,
-                              sources=list(rebuilt.sources), moments=bool(moments))
-            optimizer = make_optimizer(LR_BOOST)
-            if moments:
-                _seed_moments(stage, optimizer, moments)
-        return optimizer
+            self.world.events.emit("stage_rebuilt", stage=way.stage, method=way.method, sources=list(way.sources),
+                                   replica=me // self.stages, moments=bool(moments))
+            if way.method != "twin":
+                optimizer = make_optimizer(LR_BOOST)
+                if moments:
+                    _seed_moments(stage, optimizer, moments)
+        return optimizer, grad_norm
 
 
 def _arrays(module: Any) -> dict[str, np.ndarray]:

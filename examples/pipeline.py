@@ -13,7 +13,6 @@ a spare, a spawned process, or after a shrink on the neighbour, which then hosts
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import os
 import sys
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 import elastic
+from elastic.mesh import without_shrink
 from elastic.pipeline import StageRebuild, body_grad_norm, host_stages, roll_forward, stage_state
 
 TAG = 900
@@ -142,8 +142,8 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
                     out.backward(torch.from_numpy(grad))
                 if j > 0 and host[path[j - 1][1]] != mine:
                     comm.Send(inp.grad.numpy(), dest=host[path[j - 1][1]], tag=TAG + 100 + j - 1)
-        loss = np.array([loss_sum], np.float64)
-        comm.Bcast(loss, root=host[stages - 1])
+        loss = np.array([loss_sum], np.float64)  # nonzero only where a last stage is: the sum is its loss
+        comm.Allreduce(loss.copy(), loss)         # (and, in a mesh, the sum of every replica's)
         return float(loss[0])
 
 
@@ -184,8 +184,9 @@ def run_without_copies(world: elastic.World, stage: Stage, optimizer: torch.opti
                 world.events.emit("stage_rebuilt", stage=me, method="random", sources=[], moments=False)
                 run["optimizer"] = torch.optim.Adam(stage.parameters(), lr=args.lr)
         else:
-            run["optimizer"] = rebuilder.rebuild(lost, me, stage, run["optimizer"], run["gnorm"],
-                                                 lambda boost: torch.optim.Adam(stage.parameters(), lr=args.lr * boost))
+            run["optimizer"], run["gnorm"] = rebuilder.rebuild(
+                lost, me, stage, run["optimizer"], run["gnorm"],
+                lambda boost: torch.optim.Adam(stage.parameters(), lr=args.lr * boost))
         run["host"] = stage_hosts(world, hosted)
         return resume
 
@@ -206,10 +207,7 @@ def main() -> int:
     text = make_text(args)
     # Without copies a lost stage needs a new process (spare or spawn) to be rebuilt on.
     policy = elastic.Policy.from_env()
-    if args.recovery != "replica":
-        no_shrink = tuple(m for m in policy.modes if m != "shrink") or ("spare", "spawn")
-        policy = dataclasses.replace(policy, modes=no_shrink)
-    world = elastic.init(policy=policy)
+    world = elastic.init(policy=policy if args.recovery == "replica" else without_shrink(policy))
     stages, me = world.job.initial_size, int(world.logical_rank)
     args.checkpoint_dir = args.checkpoint_dir or os.environ.get("ELASTIC_RUN_DIR", ".")
     stage = Stage(me, stages, args)

@@ -110,7 +110,11 @@ def _pipeline(refuse_at: int | None = None, steps: int = 8):
                 raise ProcessFailure("the last stage's backward failed")
             return 0.0
 
-        done = roll_forward(world, steps, compute, applied.append, rebuild=lambda gone: lost.append(sorted(gone)))
+        def rebuild(gone):
+            world.allreduce([np.zeros(1)])  # bringing stages back is collective: a failure can land in it
+            lost.append(sorted(gone))
+
+        done = roll_forward(world, steps, compute, applied.append, rebuild)
         return done, applied, lost
     return main
 
@@ -130,6 +134,15 @@ def test_a_lost_stage_is_rebuilt_on_every_rank_and_resumes_at_the_step_in_flight
     assert {r: got[r][1] for r in (0, 2)} == {0: list(range(8)), 2: list(range(8))}
     assert got[1] == (8, [5, 6, 7], [[1]])  # the replacement: from the step in flight
     assert got[0][2] == got[2][2] == [[1]]  # every stage was told which one to bring back
+
+
+def test_a_failure_while_stages_are_brought_back_keeps_them_to_bring_back():
+    """Stage 2 dies as the rebuild of stage 1 starts: the next rebuild brings back both, on every
+    rank, the replacement of the interrupted rebuild included, and every rank ends at the same step."""
+    job = SimJob(3, spares=2, inject="1@c5,2@restore/g1")
+    got = job.run(_pipeline())
+    assert {r: got[r][2] for r in range(3)} == {0: [[1, 2]], 1: [[1, 2]], 2: [[1, 2]]}
+    assert got[0][1] == list(range(8)) and got[1][1] == got[2][1] == [5, 6, 7]
 
 
 def test_a_loss_the_policy_cannot_fill_stops_every_rank_naming_why():

@@ -1,0 +1,91 @@
+"""Data x pipeline parallelism over the World: ``dp`` replicas of a ``pp``-stage pipeline.
+
+Logical rank ``r`` holds stage ``r % pp`` of replica ``r // pp`` (the stage
+index fastest: stage ``s`` lives on logical ranks ``s, s + pp, s + 2 pp, ...``).
+A substitution (spare, spawn) keeps every logical rank's coordinates, and the
+groups are computed from the current world at each call, so a rebuild leaves
+no bookkeeping to the program. Loop with ``elastic.pipeline.roll_forward``
+(a step lands on every rank or on none) and bring lost stages back with
+``StageRebuild(..., replicas=dp)``: from a live twin, exact; CheckFree(+) when
+every replica of a stage is gone; ``Unrecoverable`` naming the stages when not
+even that can rebuild them (``elastic.recovery.plan_mesh_recovery``).
+
+A shrink would leave a replica short of a stage: ``without_shrink`` takes it
+out of a policy (removing a whole replica is not built).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from elastic.comm import ConfigError, LogicalRank, World
+from elastic.recovery import Policy
+
+__all__ = ["Mesh", "without_shrink"]
+_TAG = 700  # the twins' gradient exchange (the pipeline's own messages use other tags)
+
+
+class Mesh:
+    """Where this rank sits in a ``dp`` x ``pp`` mesh, and the collectives of its groups. Create on every active rank.
+
+    Raises:
+        ConfigError: the job's size is not ``dp * pp``.
+    """
+
+    def __init__(self, world: World, dp: int, pp: int) -> None:
+        size = world.job.initial_size
+        if dp < 1 or pp < 1 or dp * pp != size:
+            raise ConfigError(f"a {dp} x {pp} mesh (data x pipeline) needs {dp * pp} ranks and the job has {size}: "
+                              f"launch with -n {max(dp, 1) * max(pp, 1)}, or choose dp and pp with dp * pp = {size}")
+        self.world, self.dp, self.pp = world, dp, pp
+
+    @property
+    def replica(self) -> int:
+        return int(self.world.logical_rank) // self.pp
+
+    @property
+    def stage(self) -> int:
+        return int(self.world.logical_rank) % self.pp
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """The current rank holding ``stage`` of ``replica`` (local)."""
+        return self.world.logical_ranks.index(LogicalRank(replica * self.pp + stage))
+
+    def stage_hosts(self) -> dict[int, int]:
+        """Stage -> current rank, along this rank's replica: its pipeline (local)."""
+        return {s: self.rank_of(self.replica, s) for s in range(self.pp)}
+
+    def twins(self) -> list[int]:
+        """The current ranks holding this rank's stage, by replica, this rank's among them (local)."""
+        return [self.rank_of(d, self.stage) for d in range(self.dp)]
+
+    def allreduce_stage(self, arrays: list[np.ndarray], step: int | None = None) -> None:
+        """Sum each array over this stage's replicas, in place (collective over the twins; every
+        rank of the mesh calls it at the same point of its step). The sum is taken in replica order
+        on every twin, so the twins stay bitwise equal (what a twin's recovery relies on). Each
+        twin sends its arrays to each other twin: fine for the few replicas of a mesh on this
+        scale, O(dp) per rank. A ``collective`` fault of ``step`` fires in flight."""
+        if self.dp == 1:
+            return
+        if len({a.dtype for a in arrays}) > 1 or not all(a.flags.c_contiguous and a.flags.writeable for a in arrays):
+            raise ConfigError("Mesh.allreduce_stage takes writable contiguous arrays of one dtype (a stage's "
+                              "gradients as numpy views: [p.grad.numpy() for p in stage.parameters()])")
+        flat = np.concatenate([a.reshape(-1) for a in arrays])
+        twins, me = self.twins(), int(self.world.rank)
+        got = {r: np.empty_like(flat) for r in twins if r != me}
+        self.world.mpi.neighbors([(r, _TAG, flat) for r in got], [(r, _TAG, buf) for r, buf in got.items()], step)
+        total = np.zeros_like(flat)
+        for r in twins:
+            total += flat if r == me else got[r]
+        offset = 0
+        for a in arrays:
+            a.reshape(-1)[:] = total[offset:offset + a.size]
+            offset += a.size
+
+
+def without_shrink(policy: Policy) -> Policy:
+    """``policy`` with shrinking taken out (a mesh, or a pipeline rebuilt without copies, needs a new
+    process in a lost rank's place): spare first, then spawn, as the policy orders them."""
+    modes = tuple(m for m in policy.modes if m != "shrink") or ("spare", "spawn")
+    return dataclasses.replace(policy, modes=modes)

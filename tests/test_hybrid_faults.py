@@ -1,0 +1,68 @@
+"""A data x pipeline mesh losing ranks to real kills: the library brings each lost stage back from a
+live data-parallel twin (exact: the run ends bitwise where a failure-free run ends), by CheckFree when
+every replica of the stage died, and stops every rank naming the stages when not even that can.
+
+``examples/hybrid.py``: logical rank = replica * pp + stage; ``model sha256`` hashes replica 0's stages,
+``replicas_equal`` says every replica of every stage ended bitwise equal.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch
+from elastic.report import final_steps, format_report
+
+pytestmark = pytest.mark.fault
+MESH_2X2 = ("examples/hybrid.py", "--dp", "2", "--pp", "2", "--steps", "16")
+MESH_2X3 = ("examples/hybrid.py", "--dp", "2", "--pp", "3", "--steps", "16")
+
+
+def finished(job) -> dict:
+    assert job.rc == 0, job.output
+    assert job.result["steps"] == 16 and job.result["replicas_equal"], job.result
+    assert all(s["finite"] for s in job.result["stages"])
+    return job.result
+
+
+def rebuilt(job) -> list[tuple]:
+    return sorted((e["gen"], e["logical"], e["stage"], e["method"], tuple(e["sources"]))
+                  for e in job.of("stage_rebuilt"))
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory) -> str:
+    return finished(launch(tmp_path_factory.mktemp("mesh"), 4, program=MESH_2X2))["sha256"]
+
+
+def test_a_lost_rank_comes_back_bitwise_from_its_twin(tmp_path, failure_free):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@6", program=MESH_2X2)
+    assert finished(job)["sha256"] == failure_free
+    assert rebuilt(job) == [(1, 1, 1, "twin", (3,))]  # stage 1 of replica 0, from stage 1 of replica 1
+    assert not job.of("state_restored")  # no copy in any store: the twin is the copy
+    assert "rebuilt stage 1 of replica 0 by twin from logical [3]" in format_report(tmp_path / "run")
+
+
+def test_a_second_failure_during_the_twin_copy_brings_both_stages_back_bitwise(tmp_path, failure_free):
+    # Logical 0 dies as generation 1 starts to copy stage 1 to logical 1's replacement: generation 2
+    # brings back both, each from its twin, the replacement of the interrupted copy included.
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@6,0@restore/g1", program=MESH_2X2)
+    assert finished(job)["sha256"] == failure_free
+    assert rebuilt(job) == [(2, 0, 0, "twin", (2,)), (2, 1, 1, "twin", (3,))]
+
+
+def test_every_replica_of_a_stage_lost_is_rebuilt_by_checkfree_and_training_goes_on(tmp_path):
+    job = launch(tmp_path, 6, "--spares", "2", "--inject", "1@6,4@6", program=MESH_2X3)
+    finished(job)  # both replicas of stage 1 rebuilt alike: equal again
+    assert rebuilt(job) == [(1, 1, 1, "checkfree", (0, 2)), (1, 4, 1, "checkfree", (0, 2))]
+    steps = final_steps(job.events)
+    assert sorted(steps) == list(range(1, 17))  # the loss curve, through the failure
+    assert steps[16]["loss"] < steps[1]["loss"], {s: steps[s]["loss"] for s in steps}
+
+
+def test_two_neighbouring_stages_lost_on_every_replica_stop_every_rank_naming_them(tmp_path):
+    job = launch(tmp_path, 6, "--spares", "4", "--inject", "1@6,2@6,4@6,5@6", program=MESH_2X3)
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert len(errors) == 6 and {o["kind"] for o in errors} == {"Unrecoverable"}, job.outcomes
+    assert all("every data-parallel replica of stage(s) [1, 2] was lost" in o["message"] for o in errors)
+    assert not job.of("stage_rebuilt")
