@@ -12,9 +12,12 @@ and how (SIGKILL, ``os._exit(3)``, an exception, SIGSTOP, a stall). It runs
 training with torch's DDP, or FSDP2 with DCP into peer memory, on the ``ulfm``
 process group; ``--per-step``: every optimizer step a recovery point, so a
 ``commit`` kill lands inside a step point) on 4 ranks under the launcher with a bound, and checks the
-outcome. ``--collective-kills``: every run instead SIGKILLs one random rank at a
-random step inside that step's first reduction (DDP's gradient all-reduce,
-FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise:
+outcome. ``--program hybrid``: ``examples/hybrid.py`` on a 2 x 2 data x pipeline mesh
+(no store: a lost stage comes back from its live twin, bitwise; when both replicas
+of a stage die together the job must stop on every rank with ``Unrecoverable``, as
+``plan_mesh_recovery`` says for the victims of one rebuild). ``--collective-kills``:
+every run instead SIGKILLs one random rank at a random step inside that step's
+first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise:
 
 * finished, with a spare or a spawned process: model and optimizer bitwise the
   failure-free run's; after a shrink: the loss within 1e-5 (relative);
@@ -44,7 +47,9 @@ from elastic.comm.events import read_events, read_outcomes, read_result  # noqa:
 from elastic.recovery import place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
-PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py"}
+PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py",
+            "hybrid": "examples/hybrid.py"}
+MESH = (2, 2)  # --program hybrid: data x pipeline, RANKS in all
 ARGS = ("--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
 HANG_TIMEOUT, PROGRESS_TIMEOUT = 5, 5
 ACTIONS = ("kill", "kill", "exit", "raise", "hang")  # SIGKILL is what clusters meet most
@@ -108,6 +113,42 @@ def draw_collective_kill(rng: random.Random) -> Scenario:
                     f"{rng.randrange(RANKS)}@c{rng.randrange(1, STEPS - 1)}:kill")
 
 
+def draw_hybrid(rng: random.Random) -> Scenario:
+    """One or two victims on the mesh: killed at a step, inside the twins' gradient all-reduce, or
+    while a lost stage is being copied from its twin (``restore``); a spare or a spawn each."""
+    rebuild = rng.choice(("spare", "spawn", "spare,spawn"))
+    ranks = rng.sample(range(RANKS), 2)
+    step = rng.randrange(3, STEPS - 3)
+    entries = [f"{ranks[0]}@{rng.choice(('', 'c'))}{step}:{rng.choice(ACTIONS)}"]
+    if rng.random() < 0.6:
+        timing = rng.choice(("same", "later", "during"))
+        second = rng.choice(ACTIONS)
+        entries.append({"same": f"{ranks[1]}@{step}:{second}",
+                        "later": f"{ranks[1]}@{min(step + rng.randrange(3, 8), STEPS - 1)}:{second}/g1",
+                        "during": f"{ranks[1]}@restore:{second}/g1"}[timing])
+    spares = len(entries) if "spare" in rebuild else 0
+    return Scenario("hybrid", rebuild, spares, 1, ",".join(entries))
+
+
+def hybrid_loss_expected(run_dir: Path) -> bool:
+    """Whether the victims of one rebuild took every replica of a stage (no twin to copy): the
+    plan then cannot bring it back on a 2-stage mesh (CheckFree needs neighbours on both sides)."""
+    from elastic.recovery import plan_mesh_recovery
+    events = read_events(run_dir)
+    by_gen: dict[int, set[int]] = {}
+    for e in (e for e in events if e["event"] == "rebuilt"):
+        by_gen[e["gen"]] = {int(r) for r in e["failed"]}
+    lost: set[int] = set()
+    for gen in sorted(by_gen):
+        interrupted = not any(e["event"] == "step" and e["gen"] == gen - 1 for e in events) and gen > 1
+        lost = (lost if interrupted else set()) | by_gen[gen]
+        try:
+            plan_mesh_recovery(*MESH, lost)
+        except Exception:
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------- running and checking
 def launch(args: list[str], program: tuple[str, ...], run_dir: Path, bound: float) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "elastic.launch", "-n", str(RANKS), "--timeout", str(bound),
@@ -123,12 +164,17 @@ def launch(args: list[str], program: tuple[str, ...], run_dir: Path, bound: floa
 def reference(program: tuple[str, ...], replication: int, work: Path, cache: dict[int, dict]) -> dict:
     if replication not in cache:
         run_dir = work / f"reference-r{replication}"
-        rc, out, _ = launch([], program + ("--replication", str(replication)), run_dir, 300)
+        rc, out, _ = launch([], program + _replication(program, replication), run_dir, 300)
         if rc != 0:
             raise SystemExit(f"the failure-free reference run failed (rc {rc}):\n{out[-3000:]}")
-        chunks = max(-(-e["replicated_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed")
+        chunks = max((-(-e["replicated_bytes"] // CHUNK) for e in read_events(run_dir) if e["event"] == "committed"),
+                     default=0)
         cache[replication] = {**(read_result(run_dir) or {}), "chunks": chunks}
     return cache[replication]
+
+
+def _replication(program: tuple[str, ...], replication: int) -> tuple[str, ...]:
+    return () if program[0] == PROGRAMS["hybrid"] else ("--replication", str(replication))
 
 
 def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
@@ -164,6 +210,8 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
     if rc == 124:
         return "hang", "the job ran into its bound"
     outcomes = read_outcomes(run_dir)
+    if scenario.mode == "hybrid":
+        return check_hybrid(rc, run_dir, outcomes, ref)
     expect_loss = loss_expected(run_dir, scenario, ref["chunks"])
     if rc == 0:
         if expect_loss:
@@ -187,6 +235,28 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
     return "mismatch", f"rc {rc}: {told}"
 
 
+def check_hybrid(rc: int, run_dir: Path, outcomes: list[dict], ref: dict) -> tuple[str, str]:
+    """A mesh run: bitwise the reference where every lost stage had a live twin; else Unrecoverable
+    on every process."""
+    expect_loss = hybrid_loss_expected(run_dir)
+    if rc == 0:
+        result = read_result(run_dir) or {}
+        if expect_loss:
+            return "mismatch", "finished although every replica of a stage died in one rebuild"
+        if result.get("steps") != ref["steps"] or not result.get("replicas_equal"):
+            return "mismatch", f"{result.get('steps')} steps, replicas equal: {result.get('replicas_equal')}"
+        return ("correct", "bitwise") if result["sha256"] == ref["sha256"] else \
+            ("mismatch", "the model differs from the reference")
+    errors = [o for o in outcomes if o["status"] == "error"]
+    if rc == 1 and errors and {o["kind"] for o in errors} == {"Unrecoverable"} \
+            and all("every data-parallel replica" in o["message"] for o in errors) \
+            and not any(o["status"] == "finished" for o in outcomes):
+        return ("clear error", "Unrecoverable on every process") if expect_loss else \
+            ("mismatch", "Unrecoverable although a twin of every lost stage lived")
+    told = "; ".join(sorted({f"{o['kind']}: {o['message']}"[:160] for o in errors})) or "no agreed error"
+    return "mismatch", f"rc {rc}: {told}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
@@ -202,17 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.per_step and args.program == "fsdp":
         parser.error("--per-step: train or ddp (fsdp.py recovers through DCP checkpoints, committed every few steps)")
+    if args.program == "hybrid" and (args.per_step or args.collective_kills):
+        parser.error("--program hybrid draws its own victims on the mesh (no store, no per-step points)")
     program = (PROGRAMS[args.program], *ARGS) + (("--per-step",) if args.per_step else ())
+    if args.program == "hybrid":
+        program = (PROGRAMS["hybrid"], "--dp", str(MESH[0]), "--pp", str(MESH[1]), "--steps", str(STEPS))
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     keep = args.keep or ROOT / "elastic-run" / f"chaos-{args.seed}"
     refs: dict[int, dict] = {}
     rows = []
     for i in range(args.runs):
-        scenario = draw_collective_kill(rng) if args.collective_kills else draw(rng)
+        scenario = draw_hybrid(rng) if args.program == "hybrid" else \
+            draw_collective_kill(rng) if args.collective_kills else draw(rng)
         ref = reference(program, scenario.replication, work, refs)
         run_dir = work / f"run-{i}"
-        rc, out, seconds = launch(scenario.args(), program + ("--replication", str(scenario.replication)),
+        rc, out, seconds = launch(scenario.args(), program + _replication(program, scenario.replication),
                                   run_dir, args.bound)
         verdict, detail = check(scenario, rc, run_dir, ref)
         row = {"run": i, **dataclasses.asdict(scenario), "rc": rc, "verdict": verdict, "detail": detail,
