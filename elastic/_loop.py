@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
@@ -36,6 +37,12 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    if "torch" in sys.modules:
+        # A torch optimizer imports torch._dynamo when the first one is made (1.1 s here): a program
+        # that makes it after init (a pipeline stage's, which needs the logical rank) would have its
+        # promoted spare pay that after the failure; every process pays it here instead, a spare
+        # while it waits.
+        import torch._dynamo  # noqa: F401
     return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy)
 
 

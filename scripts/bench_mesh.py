@@ -12,8 +12,8 @@ step ``steps // 2``):
   CheckFree from stages 0 and 2;
 * ``dp spare``: ``examples/train.py`` (data parallel, ``elastic.run``, a commit every 5 steps)
   on 4 ranks, logical rank 1 killed, a spare restores it from the replicated store;
-* ``restart`` (a floor for checkpoint-restart of the 2 x 2 mesh): a fresh launch's start -> its
-  first step, plus the steps a checkpoint every 5 steps would redo at the kill's step, at the
+* ``restart`` (a floor for checkpoint-restart of the 2 x 2 mesh): a fresh launch (the launcher
+  started) -> its first step, plus the steps a checkpoint every 5 steps would redo at the kill's step, at the
   mesh's step time; no teardown of the failed job, no checkpoint write or read counted.
 
 ``down`` = kill -> the first step completed after the recovery (``elastic.report``), seconds;
@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +38,15 @@ from elastic.report import final_steps, timeline  # noqa: E402
 CHECKPOINT_EVERY = 5
 
 
-def launch(run_dir: Path, n: int, launcher: list[str], program: list[str]) -> list[dict]:
+def launch(run_dir: Path, n: int, launcher: list[str], program: list[str]) -> tuple[float, list[dict]]:
+    """(the wall time the launcher was started at, the job's events)."""
     cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--quiet", "--timeout", "300",
            "--run-dir", str(run_dir), *launcher, "--", sys.executable, *program]
+    started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return read_events(run_dir)
+    return started, read_events(run_dir)
 
 
 def main() -> int:
@@ -68,14 +71,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
         for rep in range(args.reps):  # the cases alternate: a slow spell of the machine hits each alike
             for name, (n, launcher, program) in cases.items():
-                events = launch(Path(tmp) / f"{name}-{rep}".replace(" ", "-"), n, launcher, program)
+                start, events = launch(Path(tmp) / f"{name}-{rep}".replace(" ", "-"), n, launcher, program)
                 if name == "restart":
-                    start = min(e["t"] for e in events if e["event"] == "started")
                     first = min(e["t"] for e in events if e["event"] == "step")
                     done = final_steps(events)
                     step_s = statistics.median(done[s]["seconds"] for s in done if s > 1)
                     downs[name].append(first - start + (kill % CHECKPOINT_EVERY) * step_s)
-                    detail[name] = f"start -> first step + {kill % CHECKPOINT_EVERY} steps redone"
+                    detail[name] = f"launch -> first step + {kill % CHECKPOINT_EVERY} steps redone"
                 else:
                     row = timeline(events)[0]
                     downs[name].append(row["down"] / 1e3)
