@@ -34,6 +34,7 @@ class RebuildContext:
     active: int                                 # active ranks still alive
     outlook: Outlook = Outlook()
     unavailable: frozenset[str] = frozenset()   # modes that failed in this rebuild (a spawn)
+    lost_ranks: tuple[int, ...] = ()            # which: their logical ranks, sorted
 
 
 @message

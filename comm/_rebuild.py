@@ -243,7 +243,7 @@ class Rebuilder:
         """
         unavailable: set[str] = set()
         while done.pending:
-            decision = self._decide(members, len(done.pending), frozenset(unavailable))
+            decision = self._decide(members, sorted(done.pending), frozenset(unavailable))
             for mode in decision.modes:
                 todo = sorted(done.pending)
                 if not todo:
@@ -268,11 +268,12 @@ class Rebuilder:
         if not members.actives():
             self._stop(members, "every active rank died; nothing is left to continue from")
 
-    def _decide(self, members: Members, lost: int, unavailable: frozenset[str]) -> Decision:
+    def _decide(self, members: Members, pending: list[int], unavailable: frozenset[str]) -> Decision:
         """The policy's decision on universe rank 0, broadcast so every process executes the same one."""
-        answer = None
+        answer, lost = None, len(pending)
         if members.comm.Get_rank() == 0:
-            context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable)
+            context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable,
+                                     tuple(int(r) for r in pending))
             try:  # whatever the policy does, every process must get one decision
                 got = self.world._policy.decide(context)
                 answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))

@@ -10,8 +10,10 @@ no bookkeeping to the program. Loop with ``elastic.pipeline.roll_forward``
 every replica of a stage is gone; ``Unrecoverable`` naming the stages when not
 even that can rebuild them (``elastic.recovery.plan_mesh_recovery``).
 
-A shrink would leave a replica short of a stage: ``without_shrink`` takes it
-out of a policy (removing a whole replica is not built).
+The rebuild policy (``mesh_policy``, for ``elastic.init``) never shrinks (that
+would leave a replica short of a stage; removing a whole replica is not built)
+and stops the job at once, naming the stages, when the dead took a stage that
+nothing can bring back: no replacement is started for nothing.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import dataclasses
 
 import numpy as np
 
-from elastic.comm import ConfigError, LogicalRank, World
-from elastic.recovery import Policy
+from elastic.comm import ConfigError, Decision, LogicalRank, RebuildContext, RebuildPolicy, Unrecoverable, World
+from elastic.recovery import Policy, plan_mesh_recovery
 
-__all__ = ["Mesh", "without_shrink"]
+__all__ = ["Mesh", "mesh_policy", "without_shrink"]
 _TAG = 700  # the twins' gradient exchange (the pipeline's own messages use other tags)
 
 
@@ -82,6 +84,33 @@ class Mesh:
         for a in arrays:
             a.reshape(-1)[:] = total[offset:offset + a.size]
             offset += a.size
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshPolicy:
+    """``base`` for the losses a mesh can take; an empty decision (the job stops, every process
+    alike, with the plan's reason) for those it cannot."""
+
+    base: RebuildPolicy
+    dp: int
+    pp: int
+    checkfree_plus: bool
+
+    def decide(self, context: RebuildContext) -> Decision:
+        try:
+            plan_mesh_recovery(self.dp, self.pp, set(context.lost_ranks), self.checkfree_plus)
+        except Unrecoverable as exc:
+            return Decision((), str(exc))
+        return self.base.decide(context)
+
+
+def mesh_policy(dp: int, pp: int, base: Policy | None = None, checkfree_plus: bool = False) -> RebuildPolicy:
+    """The rebuild policy of a ``dp`` x ``pp`` mesh: ``base`` (default: the launcher's,
+    ``Policy.from_env()``) without shrinking, and a stop before any replacement is started when
+    the ranks lost in one rebuild took every replica of a stage that CheckFree cannot rebuild.
+    (A failure during an earlier rebuild's copy adds its lost stages to the next rebuild's plan,
+    which ``StageRebuild`` then finds impossible, after the replacements: the same error.)"""
+    return _MeshPolicy(without_shrink(base if base is not None else Policy.from_env()), dp, pp, checkfree_plus)
 
 
 def without_shrink(policy: Policy) -> Policy:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import elastic
-from elastic.mesh import Mesh, without_shrink
+from elastic.mesh import Mesh, mesh_policy
 from elastic.pipeline import StageRebuild, body_grad_norm, roll_forward
 from pipeline import Stage, make_text, train_step  # the model and the pipeline step, one replica's
 
@@ -38,7 +38,7 @@ def main() -> int:
         parser.add_argument(f"--{name}", type=type(default), default=default)  # batch: global; micro: per replica
     args = parser.parse_args()
     torch.set_num_threads(1)
-    world = elastic.init(policy=without_shrink(elastic.Policy.from_env()))
+    world = elastic.init(policy=mesh_policy(args.dp, args.pp, checkfree_plus=args.checkfree_plus))
     mesh = Mesh(world, args.dp, args.pp)
     me, s = int(world.logical_rank), mesh.stage
     text = make_text(args)

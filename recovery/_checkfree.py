@@ -65,6 +65,16 @@ def plan_stage_recovery(stages: int, lost: set[int], replicas: Mapping[int, set[
     Raises:
         Unrecoverable: naming every stage that no method can bring back, and why.
     """
+    plan, problems = _plan_stages(stages, lost, replicas, checkfree_plus)
+    if problems:
+        raise Unrecoverable("cannot rebuild the pipeline without a replica: " + "; ".join(problems)
+                            + "; keep replicas of these stages (replication >= 2)")
+    return plan
+
+
+def _plan_stages(stages: int, lost: set[int], replicas: Mapping[int, set[int]],
+                 checkfree_plus: bool) -> tuple[list[StageRecovery], list[str]]:
+    """``plan_stage_recovery``'s plan, and what it cannot bring back (a sentence per stage)."""
     plan: dict[int, StageRecovery] = {}
     for s in sorted(lost):
         live = sorted(set(replicas.get(s, ())) - lost)
@@ -92,10 +102,7 @@ def plan_stage_recovery(stages: int, lost: set[int], replicas: Mapping[int, set[
         else:
             problems.append(f"stage {s}: a neighbouring stage was lost too, and CheckFree cannot rebuild two "
                             "consecutive stages")
-    if problems:
-        raise Unrecoverable("cannot rebuild the pipeline without a replica: " + "; ".join(problems)
-                            + "; keep replicas of these stages (replication >= 2)")
-    return [plan[s] for s in sorted(plan)]
+    return [plan[s] for s in sorted(plan)], problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +131,12 @@ def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = 
         return [d * pp + stage for d in range(dp) if d * pp + stage not in lost]
 
     gone = {r % pp for r in lost if not live(r % pp)}
-    try:
-        by_stage = {p.stage: p for p in plan_stage_recovery(pp, gone, {}, checkfree_plus)} if gone else {}
-    except Unrecoverable as exc:
-        raise Unrecoverable(f"every data-parallel replica of stage(s) {sorted(gone)} was lost: {exc}") from None
+    stage_plan, problems = _plan_stages(pp, gone, {}, checkfree_plus)
+    if problems:
+        raise Unrecoverable(f"every data-parallel replica of stage(s) {sorted(gone)} was lost and CheckFree cannot "
+                            f"rebuild them: {'; '.join(problems)}; run more replicas (--dp), or train the end stages "
+                            "for CheckFree+")
+    by_stage = {p.stage: p for p in stage_plan}
     plan = []
     for rank in sorted(lost):
         stage = rank % pp

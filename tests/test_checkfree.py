@@ -65,6 +65,18 @@ def test_a_mesh_takes_a_lost_stage_from_a_live_twin_first_then_checkfree_then_sa
     assert [(p.method, p.sources) for p in plan_mesh_recovery(1, 4, {2})] == [("checkfree", (1, 3))]
 
 
+def test_a_mesh_policy_never_shrinks_and_stops_before_replacing_a_loss_it_cannot_rebuild():
+    from elastic.comm import RebuildContext
+    from elastic.mesh import mesh_policy
+    from elastic.recovery import Policy
+
+    policy = mesh_policy(2, 3, base=Policy(modes=("spare", "shrink", "spawn")))
+    one = policy.decide(RebuildContext(lost=1, spares=0, active=5, lost_ranks=(1,)))
+    assert one.modes == ("spawn",)  # no spare, and never a shrink: a replica would lack a stage
+    doomed = policy.decide(RebuildContext(lost=4, spares=4, active=2, lost_ranks=(1, 2, 4, 5)))
+    assert doomed.modes == () and "every data-parallel replica of stage(s) [1, 2] was lost" in doomed.reason
+
+
 @settings(max_examples=50, deadline=None)
 @given(dp=st.integers(1, 4), pp=st.integers(2, 6), data=st.data())
 def test_a_mesh_plan_brings_every_lost_rank_back_from_live_ranks_or_names_the_stages(dp, pp, data):
