@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from elastic.comm import ConfigError, Decision, LogicalRank, RebuildContext, RebuildPolicy, Unrecoverable, World
+from elastic.comm import ConfigError, Decision, RebuildContext, RebuildPolicy, Unrecoverable, World, agreed
 from elastic.recovery import Policy, plan_mesh_recovery
 
 __all__ = ["Mesh", "mesh_policy", "without_shrink"]
@@ -37,10 +37,12 @@ class Mesh:
 
     def __init__(self, world: World, dp: int, pp: int) -> None:
         size = world.job.initial_size
-        if dp < 1 or pp < 1 or dp * pp != size:
-            raise ConfigError(f"a {dp} x {pp} mesh (data x pipeline) needs {dp * pp} ranks and the job has {size}: "
-                              f"launch with -n {max(dp, 1) * max(pp, 1)}, or choose dp and pp with dp * pp = {size}")
+        if dp < 1 or pp < 1 or dp * pp != size:  # the same facts on every rank: every rank stops alike
+            raise agreed(ConfigError(
+                f"a {dp} x {pp} mesh (data x pipeline) needs {dp * pp} ranks and the job has {size}: launch with "
+                f"-n {max(dp, 1) * max(pp, 1)}, or choose dp and pp with dp * pp = {size}"))
         self.world, self.dp, self.pp = world, dp, pp
+        self._where: tuple[int, dict[int, int]] = (-1, {})  # (generation, logical -> current rank)
 
     @property
     def replica(self) -> int:
@@ -51,8 +53,12 @@ class Mesh:
         return int(self.world.logical_rank) % self.pp
 
     def rank_of(self, replica: int, stage: int) -> int:
-        """The current rank holding ``stage`` of ``replica`` (local)."""
-        return self.world.logical_ranks.index(LogicalRank(replica * self.pp + stage))
+        """The current rank holding ``stage`` of ``replica`` (local; O(1), the table made once per generation)."""
+        generation, where = self._where
+        if generation != self.world.generation:
+            where = {int(logical): rank for rank, logical in enumerate(self.world.logical_ranks)}
+            self._where = (self.world.generation, where)
+        return where[replica * self.pp + stage]
 
     def stage_hosts(self) -> dict[int, int]:
         """Stage -> current rank, along this rank's replica: its pipeline (local)."""

@@ -145,6 +145,27 @@ def test_a_failure_while_stages_are_brought_back_keeps_them_to_bring_back():
     assert got[0][1] == list(range(8)) and got[1][1] == got[2][1] == [5, 6, 7]
 
 
+def test_a_mesh_keeps_each_logical_ranks_coordinates_through_a_substitution():
+    """A 2 x 2 mesh loses logical rank 1 inside step 3's collective; its replacement is stage 1 of
+    replica 0 again, and every rank's groups follow the new world (no bookkeeping in the program)."""
+    from elastic.mesh import Mesh
+    from elastic.pipeline import roll_forward
+
+    def main(world):
+        mesh = Mesh(world, 2, 2)
+        roll_forward(world, 5, lambda step: world.allreduce([np.zeros(1)], step=step), lambda step: None,
+                     lambda lost: None)
+        where = {int(logical): rank for rank, logical in enumerate(world.logical_ranks)}
+        assert mesh.twins() == [where[mesh.stage], where[2 + mesh.stage]]
+        assert mesh.stage_hosts() == {0: where[2 * mesh.replica], 1: where[2 * mesh.replica + 1]}
+        return mesh.replica, mesh.stage, world.generation
+
+    job = SimJob(4, spares=1, inject="1@c3")
+    assert job.run(main) == {0: (0, 0, 1), 1: (0, 1, 1), 2: (1, 0, 1), 3: (1, 1, 1)}
+    with pytest.raises(elastic.ConfigError, match=r"a 3 x 2 mesh .* needs 6 ranks and the job has 4: launch with -n 6"):
+        SimJob(4).run(lambda world: Mesh(world, 3, 2))
+
+
 def test_a_loss_the_policy_cannot_fill_stops_every_rank_naming_why():
     job = SimJob(4, inject="1@5,2@5", rebuild=("shrink",), min_size=3)
     with pytest.raises(elastic.Unrecoverable, match="below min_size=3"):
