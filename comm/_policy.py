@@ -35,6 +35,7 @@ class RebuildContext:
     outlook: Outlook = Outlook()
     unavailable: frozenset[str] = frozenset()   # modes that failed in this rebuild (a spawn)
     lost_ranks: tuple[int, ...] = ()            # which: their logical ranks, sorted
+    active_ranks: tuple[int, ...] = ()          # the live active ranks' logical ranks, sorted
 
 
 @message

@@ -273,7 +273,7 @@ class Rebuilder:
         answer, lost = None, len(pending)
         if members.comm.Get_rank() == 0:
             context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable,
-                                     tuple(int(r) for r in pending))
+                                     tuple(int(r) for r in pending), tuple(int(r) for r in members.logical_ranks()))
             try:  # whatever the policy does, every process must get one decision
                 got = self.world._policy.decide(context)
                 answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))

@@ -3,17 +3,22 @@
 Logical rank ``r`` holds stage ``r % pp`` of replica ``r // pp`` (the stage
 index fastest: stage ``s`` lives on logical ranks ``s, s + pp, s + 2 pp, ...``).
 A substitution (spare, spawn) keeps every logical rank's coordinates, and the
-groups are computed from the current world at each call, so a rebuild leaves
-no bookkeeping to the program. Loop with ``elastic.pipeline.roll_forward``
-(a step lands on every rank or on none) and bring lost stages back with
-``StageRebuild(..., replicas=dp)``: from a live twin, exact; CheckFree(+) when
-every replica of a stage is gone; ``Unrecoverable`` naming the stages when not
-even that can rebuild them (``elastic.recovery.plan_mesh_recovery``).
+groups are computed from the current world (once per generation), so a
+rebuild leaves no bookkeeping to the program. Loop with
+``elastic.pipeline.roll_forward`` (a step lands on every rank or on none) and
+bring lost stages back with ``StageRebuild(..., replicas=dp)``: from a live
+twin, exact; CheckFree(+) when every replica of a stage is gone;
+``Unrecoverable`` naming the stages when not even that can rebuild them
+(``elastic.recovery.plan_mesh_recovery``).
 
-The rebuild policy (``mesh_policy``, for ``elastic.init``) never shrinks (that
-would leave a replica short of a stage; removing a whole replica is not built)
-and stops the job at once, naming the stages, when the dead took a stage that
-nothing can bring back: no replacement is started for nothing.
+A shrink takes the lost ranks' replicas out of use for good: the replicas
+left carry the whole global batch (``Mesh.shard``), and the surviving ranks
+of a replica out of use idle (they take part in the loop's votes and in the
+world's collectives, nothing else). The rebuild policy (``mesh_policy``, for
+``elastic.init``) shrinks only where a whole replica stays in use, replaces
+every lost rank or none, and stops the job at once, naming the stages, when
+the dead took a stage that nothing can bring back: no replacement is started
+for nothing.
 """
 from __future__ import annotations
 
@@ -54,27 +59,51 @@ class Mesh:
 
     def rank_of(self, replica: int, stage: int) -> int:
         """The current rank holding ``stage`` of ``replica`` (local; O(1), the table made once per generation)."""
+        return self._table()[replica * self.pp + stage]
+
+    def _table(self) -> dict[int, int]:
+        """Logical rank -> current rank, of this generation."""
         generation, where = self._where
         if generation != self.world.generation:
             where = {int(logical): rank for rank, logical in enumerate(self.world.logical_ranks)}
             self._where = (self.world.generation, where)
-        return where[replica * self.pp + stage]
+        return where
+
+    @property
+    def in_use(self) -> list[int]:
+        """The replicas that train: those with a rank for every stage (local)."""
+        where = self._table()
+        return [d for d in range(self.dp) if all(d * self.pp + s in where for s in range(self.pp))]
+
+    @property
+    def working(self) -> bool:
+        """This rank's replica trains (else a shrink took part of it: this rank idles)."""
+        return self.replica in self.in_use
+
+    def shard(self, batch: np.ndarray) -> np.ndarray:
+        """This replica's part of a global batch, split among the replicas in use (local)."""
+        in_use = self.in_use
+        return np.array_split(batch, len(in_use))[in_use.index(self.replica)]
 
     def stage_hosts(self) -> dict[int, int]:
-        """Stage -> current rank, along this rank's replica: its pipeline (local)."""
+        """Stage -> current rank, along this rank's replica: its pipeline (local; a working rank's)."""
         return {s: self.rank_of(self.replica, s) for s in range(self.pp)}
 
     def twins(self) -> list[int]:
-        """The current ranks holding this rank's stage, by replica, this rank's among them (local)."""
-        return [self.rank_of(d, self.stage) for d in range(self.dp)]
+        """The current ranks holding this rank's stage in the replicas in use, in replica order (local)."""
+        return [self.rank_of(d, self.stage) for d in self.in_use]
 
     def allreduce_stage(self, arrays: list[np.ndarray], step: int | None = None) -> None:
         """Sum each array over this stage's replicas, in place (collective over the twins; every
         rank of the mesh calls it at the same point of its step). The sum is taken in replica order
         on every twin, so the twins stay bitwise equal (what a twin's recovery relies on). Each
         twin sends its arrays to each other twin: fine for the few replicas of a mesh on this
-        scale, O(dp) per rank. A ``collective`` fault of ``step`` fires in flight."""
-        if self.dp == 1:
+        scale, O(dp) per rank. A ``collective`` fault of ``step`` fires in flight. Working ranks
+        only (an idle one has no twins to sum with)."""
+        if not self.working:
+            raise ConfigError("Mesh.allreduce_stage on a rank whose replica is out of use (after a shrink): "
+                              "only working ranks (mesh.working) compute and sum their stage's gradients")
+        if len(self.in_use) == 1:
             return
         if len({a.dtype for a in arrays}) > 1 or not all(a.flags.c_contiguous and a.flags.writeable for a in arrays):
             raise ConfigError("Mesh.allreduce_stage takes writable contiguous arrays of one dtype (a stage's "
@@ -94,29 +123,39 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class _MeshPolicy:
-    """``base`` for the losses a mesh can take; an empty decision (the job stops, every process
-    alike, with the plan's reason) for those it cannot."""
+    """``base``'s decision where a mesh can take it; an empty one (the job stops, every process
+    alike, with the plan's reason) for a loss it cannot."""
 
-    base: RebuildPolicy
+    base: Policy
     dp: int
     pp: int
     checkfree_plus: bool
 
     def decide(self, context: RebuildContext) -> Decision:
+        survivors, lost = set(context.active_ranks), set(context.lost_ranks)
+        ranks = [[d * self.pp + s for s in range(self.pp)] for d in range(self.dp)]
+        dropped = {d for d in range(self.dp) if not set(ranks[d]) <= survivors | lost}  # by an earlier shrink
+        whole = [d for d in range(self.dp) if set(ranks[d]) <= survivors]
+        decision = (self.base if whole else without_shrink(self.base)).decide(context)
+        if "shrink" in decision.modes:  # all lost ranks' replicas go out of use, none half replaced
+            return Decision(("shrink",), f"{decision.reason}; replicas {sorted({r // self.pp for r in lost})} go out "
+                                         f"of use, replicas {whole} carry the global batch")
         try:
-            plan_mesh_recovery(self.dp, self.pp, set(context.lost_ranks), self.checkfree_plus)
+            plan_mesh_recovery(self.dp, self.pp, lost, self.checkfree_plus, dropped)
         except Unrecoverable as exc:
             return Decision((), str(exc))
-        return self.base.decide(context)
+        return decision
 
 
 def mesh_policy(dp: int, pp: int, base: Policy | None = None, checkfree_plus: bool = False) -> RebuildPolicy:
     """The rebuild policy of a ``dp`` x ``pp`` mesh: ``base`` (default: the launcher's,
-    ``Policy.from_env()``) without shrinking, and a stop before any replacement is started when
-    the ranks lost in one rebuild took every replica of a stage that CheckFree cannot rebuild.
-    (A failure during an earlier rebuild's copy adds its lost stages to the next rebuild's plan,
-    which ``StageRebuild`` then finds impossible, after the replacements: the same error.)"""
-    return _MeshPolicy(without_shrink(base if base is not None else Policy.from_env()), dp, pp, checkfree_plus)
+    ``Policy.from_env()``), shrinking only where a whole replica stays in use and then every lost
+    rank's replica out of use (never a replica half replaced, half removed), and a stop before
+    any replacement is started when the ranks lost in one rebuild took every replica of a stage
+    that CheckFree cannot rebuild. (A failure during an earlier rebuild's copy adds its lost
+    stages to the next rebuild's plan, which ``StageRebuild`` then finds impossible, after the
+    replacements: the same error.)"""
+    return _MeshPolicy(base if base is not None else Policy.from_env(), dp, pp, checkfree_plus)
 
 
 def without_shrink(policy: Policy) -> Policy:

@@ -146,6 +146,12 @@ class StageRebuild:
     def _current(self, logical: int) -> int:
         return self.world.logical_ranks.index(LogicalRank(logical))
 
+    def _dropped(self) -> set[int]:
+        """Replicas out of use: a shrink took one of their ranks (their stages are stale)."""
+        present = {int(r) for r in self.world.logical_ranks}
+        return {d for d in range(self.replicas)
+                if any(d * self.stages + s not in present for s in range(self.stages))}
+
     def keep_end_copies(self, stage: Any, me: int) -> None:
         """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head, in each replica
         (collective, after an update); ``me``: this rank's logical rank."""
@@ -154,7 +160,7 @@ class StageRebuild:
         sends = {}
         base = me - me % self.stages  # the first logical rank of this rank's replica
         for part, owner, keeper in (("embed", 0, 1), ("head", self.stages - 1, self.stages - 2)):
-            if me % self.stages == owner:
+            if me % self.stages == owner and me // self.stages not in self._dropped():
                 sends[self._current(base + keeper)] = (part, _arrays(getattr(stage, part)))
         for got in self.world.alltoall(sends):
             if got is not None:
@@ -169,7 +175,7 @@ class StageRebuild:
         rebuilt by CheckFree its fresh optimizer. Returns the optimizer and the gradient norm this
         rank goes on with."""
         try:
-            plan = plan_mesh_recovery(self.replicas, self.stages, lost, self.plus)
+            plan = plan_mesh_recovery(self.replicas, self.stages, lost, self.plus, self._dropped())
         except Unrecoverable as exc:  # every rank plans from the same agreed rebuild: stop together
             raise agreed(exc) from None
         sends: dict[int, list] = {}

@@ -8,7 +8,9 @@ stage stays bitwise equal. ``elastic.pipeline.roll_forward`` applies a step on e
 and a lost rank's stage comes back (``StageRebuild``, ``elastic.recovery.plan_mesh_recovery``): from
 a live twin, exactly (the run ends bitwise where a failure-free run ends); by CheckFree(+) from the
 neighbouring stages when every replica of the stage died; when not even that can rebuild it, every
-rank stops with ``Unrecoverable`` naming the stages.
+rank stops with ``Unrecoverable`` naming the stages. After a shrink (``--rebuild shrink``, where
+a whole replica is left) the lost ranks' replicas go out of use and the others carry the global
+batch; the out-of-use ranks idle to the end.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@10 -- python examples/hybrid.py --dp 2 --pp 2
 """
@@ -18,7 +20,6 @@ import argparse
 import hashlib
 import sys
 
-import numpy as np
 import torch
 
 import elastic
@@ -46,21 +47,28 @@ def main() -> int:
     stage = Stage(s, args.pp, args)  # the same initialisation on every replica
     rebuilder = StageRebuild(world, args.pp, plus=args.checkfree_plus, average_moments=args.average_moments,
                              replicas=args.dp)
-    run = {"optimizer": torch.optim.Adam(stage.parameters(), lr=args.lr), "gnorm": 1.0}
+    run = {"optimizer": torch.optim.Adam(stage.parameters(), lr=args.lr), "gnorm": 1.0, "loss": float("nan")}
 
     def compute(step: int) -> float:
+        replicas = len(mesh.in_use)
+        if not mesh.working:  # a shrink took part of this replica: the others carry the batch
+            run["loss"] = train_step(world, {}, {}, args.pp, text[:0], args) / replicas  # the loss sum only
+            return run["loss"]
         run["optimizer"].zero_grad()
-        mine = np.array_split(batches.batch(step), args.dp)[mesh.replica]
+        mine = mesh.shard(batches.batch(step))
         loss = train_step(world, {s: stage}, mesh.stage_hosts(), args.pp, text[torch.from_numpy(mine)], args)
         grads = [p.grad for p in stage.parameters()]
         mesh.allreduce_stage([g.numpy() for g in grads], step)
         for g in grads:
-            g.div_(args.dp)
-        return loss / args.dp
+            g.div_(replicas)
+        run["loss"] = loss / replicas
+        return run["loss"]
 
     def apply(step: int) -> None:
-        run["gnorm"] = body_grad_norm(stage)
-        run["optimizer"].step()
+        if mesh.working:
+            run["gnorm"] = body_grad_norm(stage)
+            run["optimizer"].step()
+
 
     def rebuild(lost: set[int]) -> None:
         run["optimizer"], run["gnorm"] = rebuilder.rebuild(
@@ -75,12 +83,14 @@ def main() -> int:
     stages = sorted(world.allgather({"replica": mesh.replica, "stage": s, "sha256": digest, "finite": finite}),
                     key=lambda r: (r["replica"], r["stage"]))
     if world.rank == 0:
-        replicas_equal = all(r["sha256"] == stages[r["stage"]]["sha256"] for r in stages)
-        model = hashlib.sha256("".join(r["sha256"] for r in stages[:args.pp]).encode()).hexdigest()
-        print(f"[hybrid] {steps} steps, {args.dp} x {args.pp} mesh, generation {world.generation}, "
-              f"replicas equal: {replicas_equal}")
+        in_use = [r for r in stages if r["replica"] in mesh.in_use]
+        replicas_equal = all(r["sha256"] == in_use[r["stage"]]["sha256"] for r in in_use)
+        model = hashlib.sha256("".join(r["sha256"] for r in in_use[:args.pp]).encode()).hexdigest()
+        print(f"[hybrid] {steps} steps, {args.dp} x {args.pp} mesh, replicas in use {mesh.in_use}, "
+              f"generation {world.generation}, replicas equal: {replicas_equal}, loss {run['loss']:.6f}")
         print(f"model sha256 {model}")
-        world.events.emit("result", steps=steps, stages=stages, replicas_equal=replicas_equal, sha256=model)
+        world.events.emit("result", steps=steps, stages=in_use, replicas_equal=replicas_equal, sha256=model,
+                          in_use=mesh.in_use, final_loss=run["loss"])
     return 0
 
 

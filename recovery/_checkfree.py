@@ -15,7 +15,7 @@ rebuilt this way: only a replica brings them back.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Collection, Mapping
 
 import numpy as np
 
@@ -117,18 +117,22 @@ class MeshRecovery:
     sources: tuple[int, ...]
 
 
-def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = False) -> list[MeshRecovery]:
+def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = False,
+                       dropped: Collection[int] = ()) -> list[MeshRecovery]:
     """Decide, for each lost rank of a ``dp`` x ``pp`` mesh (logical rank = replica * pp + stage),
     how its stage comes back: a live twin first (exact), else CheckFree(+) from the neighbouring
     stages of live ranks, else ``Unrecoverable`` naming the stages (local, deterministic: every
     rank plans alike). Every replica of a stage rebuilt by CheckFree takes the same sources, so
-    the replicas are equal again.
+    the replicas are equal again. ``dropped``: replicas out of use (a shrink took one of their
+    ranks): their stages are stale, so they are no source, and their lost ranks need nothing.
 
     Raises:
         Unrecoverable: a stage lost on every replica that CheckFree cannot rebuild either.
     """
+    lost = {r for r in lost if r // pp not in dropped}
+
     def live(stage: int) -> list[int]:
-        return [d * pp + stage for d in range(dp) if d * pp + stage not in lost]
+        return [d * pp + stage for d in range(dp) if d not in dropped and d * pp + stage not in lost]
 
     gone = {r % pp for r in lost if not live(r % pp)}
     stage_plan, problems = _plan_stages(pp, gone, {}, checkfree_plus)

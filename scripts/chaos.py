@@ -13,7 +13,8 @@ training with torch's DDP, or FSDP2 with DCP into peer memory, on the ``ulfm``
 process group; ``--per-step``: every optimizer step a recovery point, so a
 ``commit`` kill lands inside a step point) on 4 ranks under the launcher with a bound, and checks the
 outcome. ``--program hybrid``: ``examples/hybrid.py`` on a 2 x 2 data x pipeline mesh
-(no store: a lost stage comes back from its live twin, bitwise; when both replicas
+(no store: a lost stage comes back from its live twin, bitwise, or after a shrink
+the other replica carries the batch, loss within 1e-4; when both replicas in use
 of a stage die together the job must stop on every rank with ``Unrecoverable``, as
 ``plan_mesh_recovery`` says for the victims of one rebuild). ``--collective-kills``:
 every run instead SIGKILLs one random rank at a random step inside that step's
@@ -116,7 +117,7 @@ def draw_collective_kill(rng: random.Random) -> Scenario:
 def draw_hybrid(rng: random.Random) -> Scenario:
     """One or two victims on the mesh: killed at a step, inside the twins' gradient all-reduce, or
     while a lost stage is being copied from its twin (``restore``); a spare or a spawn each."""
-    rebuild = rng.choice(("spare", "spawn", "spare,spawn"))
+    rebuild = rng.choice(("spare", "spawn", "spare,spawn", "shrink", "spare,shrink"))
     ranks = rng.sample(range(RANKS), 2)
     step = rng.randrange(3, STEPS - 3)
     entries = [f"{ranks[0]}@{rng.choice(('', 'c'))}{step}:{rng.choice(ACTIONS)}"]
@@ -130,22 +131,31 @@ def draw_hybrid(rng: random.Random) -> Scenario:
     return Scenario("hybrid", rebuild, spares, 1, ",".join(entries))
 
 
-def hybrid_loss_expected(run_dir: Path) -> bool:
-    """Whether the victims of one rebuild took every replica of a stage (no twin to copy): the
-    plan then cannot bring it back on a 2-stage mesh (CheckFree needs neighbours on both sides)."""
+def hybrid_loss_expected(run_dir: Path, scenario: Scenario) -> bool:
+    """Whether the job had to stop: a rebuild whose lost ranks (with those of a rebuild a failure
+    interrupted) took every replica in use of a stage, on a 2-stage mesh where CheckFree cannot
+    help, and that no shrink could answer (the mesh shrinks only where a whole replica is left).
+    A shrink takes its victims' replicas out of use."""
     from elastic.recovery import plan_mesh_recovery
     events = read_events(run_dir)
-    by_gen: dict[int, set[int]] = {}
-    for e in (e for e in events if e["event"] == "rebuilt"):
-        by_gen[e["gen"]] = {int(r) for r in e["failed"]}
+    dp, pp = MESH
+    failed: dict[int, set[int]] = {}  # the generation a failure was seen in -> the dead
+    for e in (e for e in events if e["event"] == "agreed"):
+        failed.setdefault(e["gen"], set()).update(int(r) for r in e["failed"])
+    modes = {e["gen"] - 1: e["mode"] for e in events if e["event"] == "rebuilt"}
     lost: set[int] = set()
-    for gen in sorted(by_gen):
-        interrupted = not any(e["event"] == "step" and e["gen"] == gen - 1 for e in events) and gen > 1
-        lost = (lost if interrupted else set()) | by_gen[gen]
+    dropped: set[int] = set()
+    for gen in sorted(failed):
+        interrupted = gen > 0 and not any(e["event"] == "step" and e["gen"] == gen for e in events)
+        lost = (lost if interrupted else set()) | failed[gen]
+        if "shrink" in modes.get(gen, ""):
+            dropped |= {r // pp for r in failed[gen]}
+            continue
         try:
-            plan_mesh_recovery(*MESH, lost)
+            plan_mesh_recovery(dp, pp, lost, dropped=dropped)
         except Exception:
-            return True
+            whole = any(d not in dropped and all(d * pp + s not in lost for s in range(pp)) for d in range(dp))
+            return not ("shrink" in scenario.rebuild and whole)
     return False
 
 
@@ -211,7 +221,7 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
         return "hang", "the job ran into its bound"
     outcomes = read_outcomes(run_dir)
     if scenario.mode == "hybrid":
-        return check_hybrid(rc, run_dir, outcomes, ref)
+        return check_hybrid(scenario, rc, run_dir, outcomes, ref)
     expect_loss = loss_expected(run_dir, scenario, ref["chunks"])
     if rc == 0:
         if expect_loss:
@@ -235,16 +245,20 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
     return "mismatch", f"rc {rc}: {told}"
 
 
-def check_hybrid(rc: int, run_dir: Path, outcomes: list[dict], ref: dict) -> tuple[str, str]:
+def check_hybrid(scenario: Scenario, rc: int, run_dir: Path, outcomes: list[dict], ref: dict) -> tuple[str, str]:
     """A mesh run: bitwise the reference where every lost stage had a live twin; else Unrecoverable
     on every process."""
-    expect_loss = hybrid_loss_expected(run_dir)
+    expect_loss = hybrid_loss_expected(run_dir, scenario)
     if rc == 0:
         result = read_result(run_dir) or {}
         if expect_loss:
             return "mismatch", "finished although every replica of a stage died in one rebuild"
         if result.get("steps") != ref["steps"] or not result.get("replicas_equal"):
             return "mismatch", f"{result.get('steps')} steps, replicas equal: {result.get('replicas_equal')}"
+        if any("shrink" in e["mode"] for e in read_events(run_dir) if e["event"] == "rebuilt"):
+            ok = abs(result["final_loss"] - ref["final_loss"]) <= 1e-4 * ref["final_loss"]
+            return ("correct", f"shrink to replicas {result['in_use']}: loss within 1e-4") if ok else \
+                ("mismatch", f"loss {result['final_loss']} vs {ref['final_loss']}")
         return ("correct", "bitwise") if result["sha256"] == ref["sha256"] else \
             ("mismatch", "the model differs from the reference")
     errors = [o for o in outcomes if o["status"] == "error"]

@@ -65,16 +65,30 @@ def test_a_mesh_takes_a_lost_stage_from_a_live_twin_first_then_checkfree_then_sa
     assert [(p.method, p.sources) for p in plan_mesh_recovery(1, 4, {2})] == [("checkfree", (1, 3))]
 
 
-def test_a_mesh_policy_never_shrinks_and_stops_before_replacing_a_loss_it_cannot_rebuild():
+def test_a_mesh_policy_shrinks_whole_replicas_away_and_stops_before_replacing_a_loss_it_cannot_rebuild():
     from elastic.comm import RebuildContext
     from elastic.mesh import mesh_policy
     from elastic.recovery import Policy
 
     policy = mesh_policy(2, 3, base=Policy(modes=("spare", "shrink", "spawn")))
-    one = policy.decide(RebuildContext(lost=1, spares=0, active=5, lost_ranks=(1,)))
-    assert one.modes == ("spawn",)  # no spare, and never a shrink: a replica would lack a stage
-    doomed = policy.decide(RebuildContext(lost=4, spares=4, active=2, lost_ranks=(1, 2, 4, 5)))
+
+    def decide(lost, spares=0, gone=()):  # gone: logical ranks a shrink took earlier
+        active = tuple(r for r in range(6) if r not in lost and r not in gone)
+        return policy.decide(RebuildContext(len(lost), spares, len(active), lost_ranks=lost, active_ranks=active))
+
+    assert decide((1,), spares=1).modes == ("spare",)
+    one = decide((1,))  # replica 1 stays whole: replica 0 goes out of use
+    assert one.modes == ("shrink",) and "replicas [0] go out of use, replicas [1] carry the global batch" in one.reason
+    assert decide((1, 2), spares=1).modes == ("shrink",)  # never half replaced, half removed
+    assert decide((1, 3), spares=1).modes == ("spare", "spawn")  # no replica left whole: replaced (twins)
+    assert decide((1, 4)).modes == ("spawn",)  # replaced (CheckFree)
+    doomed = decide((1, 2, 4, 5), spares=4)
     assert doomed.modes == () and "every data-parallel replica of stage(s) [1, 2] was lost" in doomed.reason
+    # Replica 0 went out of use earlier: its ranks are no twins, so losing replica 1's stage 1 needs CheckFree.
+    assert decide((4,), gone=(1,)).modes == ("spawn",)
+    assert [(p.rank, p.method, p.sources) for p in plan_mesh_recovery(2, 3, {4}, dropped={0})] == [
+        (4, "checkfree", (3, 5))]
+    assert plan_mesh_recovery(2, 3, {0}, dropped={0}) == []  # an idle rank's replacement needs nothing
 
 
 @settings(max_examples=50, deadline=None)

@@ -30,8 +30,13 @@ def rebuilt(job) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def failure_free(tmp_path_factory) -> str:
-    return finished(launch(tmp_path_factory.mktemp("mesh"), 4, program=MESH_2X2))["sha256"]
+def reference(tmp_path_factory) -> dict:
+    return finished(launch(tmp_path_factory.mktemp("mesh"), 4, program=MESH_2X2))
+
+
+@pytest.fixture
+def failure_free(reference) -> str:
+    return reference["sha256"]
 
 
 def test_a_lost_rank_comes_back_bitwise_from_its_twin(tmp_path, failure_free):
@@ -48,6 +53,16 @@ def test_a_second_failure_during_the_twin_copy_brings_both_stages_back_bitwise(t
     job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@6,0@restore/g1", program=MESH_2X2)
     assert finished(job)["sha256"] == failure_free
     assert rebuilt(job) == [(2, 0, 0, "twin", (2,)), (2, 1, 1, "twin", (3,))]
+
+
+def test_a_shrink_takes_the_lost_ranks_replica_out_of_use_and_the_other_carries_the_global_batch(tmp_path, reference):
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "1@6", program=MESH_2X2)
+    result = finished(job)
+    assert result["in_use"] == [1] and [r["replica"] for r in result["stages"]] == [1, 1]
+    assert {(e["mode"], tuple(e["failed"])) for e in job.of("rebuilt")} == {("shrink", (1,))}
+    assert not job.of("stage_rebuilt")  # nothing to bring back: replica 1 holds every stage
+    # The same samples per step, summed in another order: the loss stays with the failure-free run's.
+    assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4)
 
 
 def test_every_replica_of_a_stage_lost_is_rebuilt_by_checkfree_and_training_goes_on(tmp_path):
