@@ -69,7 +69,6 @@ def main() -> int:
             run["gnorm"] = body_grad_norm(stage)
             run["optimizer"].step()
 
-
     def rebuild(lost: set[int]) -> None:
         run["optimizer"], run["gnorm"] = rebuilder.rebuild(
             lost, me, stage, run["optimizer"], run["gnorm"],
