@@ -227,8 +227,11 @@ class State:
                 self._apply(self._store.restore_owner(owner), adopting=True)
         own = self._store.restore()
         self._apply(own)
-        if any(not self._is_local(name) for name in own):
-            self._holds_shared = True  # a relaunch that found its payload in node memory
+        if not self._per_step:
+            # The shared values roll back from the own payload, which lacks them on a replacement that
+            # has not committed since it joined: it must get them again (``_share``), not keep its live
+            # ones, which later steps changed. (A relaunch finds them in node memory.)
+            self._holds_shared = any(not self._is_local(name) for name in own)
 
     def sync(self) -> None:
         """Make every rank start from the same state (collective over the active ranks).

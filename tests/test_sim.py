@@ -136,6 +136,17 @@ def test_a_lost_stage_is_rebuilt_on_every_rank_and_resumes_at_the_step_in_flight
     assert got[0][2] == got[2][2] == [[1]]  # every stage was told which one to bring back
 
 
+def test_a_replacement_that_has_not_committed_yet_rolls_back_its_shared_values_too(reference):
+    """Logical 1 dies at step 5 (committed at 4): its replacement gets the shared values, trains
+    steps 4 and 5 again, and logical 0 dies at step 6, before the next commit. Everyone rolls back
+    to step 4; the replacement's own payload has no shared values yet (they are never replicated),
+    so it must take them from the survivors again, not keep its live ones (a CommitRejected, seen
+    when a promoted spare came up fast enough to train before the next failure)."""
+    job = SimJob(4, spares=2, inject="1@5,0@6/g1", rebuild=("spare",))
+    assert job.run(_main(commit_every=4, replication=3)) == reference  # 3: the copies 1 held for 0 live on
+    assert [e["mode"] for e in job.of("rebuilt")] == ["spare", "spare"]
+
+
 def test_a_failure_while_stages_are_brought_back_keeps_them_to_bring_back():
     """Stage 2 dies as the rebuild of stage 1 starts: the next rebuild brings back both, on every
     rank, the replacement of the interrupted rebuild included, and every rank ends at the same step."""
