@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 
 from elastic.comm import ConfigError, Decision, RebuildContext, RebuildPolicy, Unrecoverable, World, agreed
-from elastic.recovery import Policy, plan_mesh_recovery
+from elastic.recovery import Policy, plan_mesh_recovery, whole_replicas
 
 __all__ = ["Mesh", "mesh_policy", "without_shrink"]
 _TAG = 700  # the twins' gradient exchange (the pipeline's own messages use other tags)
@@ -47,7 +47,7 @@ class Mesh:
                 f"a {dp} x {pp} mesh (data x pipeline) needs {dp * pp} ranks and the job has {size}: launch with "
                 f"-n {max(dp, 1) * max(pp, 1)}, or choose dp and pp with dp * pp = {size}"))
         self.world, self.dp, self.pp = world, dp, pp
-        self._where: tuple[int, dict[int, int]] = (-1, {})  # (generation, logical -> current rank)
+        self._where: tuple[int, dict[int, int], list[int]] = (-1, {}, [])  # generation, logical -> current, in use
 
     @property
     def replica(self) -> int:
@@ -58,22 +58,20 @@ class Mesh:
         return int(self.world.logical_rank) % self.pp
 
     def rank_of(self, replica: int, stage: int) -> int:
-        """The current rank holding ``stage`` of ``replica`` (local; O(1), the table made once per generation)."""
-        return self._table()[replica * self.pp + stage]
+        """The current rank holding ``stage`` of ``replica`` (local; O(1))."""
+        return self._generation()[1][replica * self.pp + stage]
 
-    def _table(self) -> dict[int, int]:
-        """Logical rank -> current rank, of this generation."""
-        generation, where = self._where
-        if generation != self.world.generation:
+    def _generation(self) -> tuple[int, dict[int, int], list[int]]:
+        """This generation's logical -> current rank table and replicas in use, made once per generation."""
+        if self._where[0] != self.world.generation:
             where = {int(logical): rank for rank, logical in enumerate(self.world.logical_ranks)}
-            self._where = (self.world.generation, where)
-        return where
+            self._where = (self.world.generation, where, whole_replicas(self.dp, self.pp, where))
+        return self._where
 
     @property
     def in_use(self) -> list[int]:
-        """The replicas that train: those with a rank for every stage (local)."""
-        where = self._table()
-        return [d for d in range(self.dp) if all(d * self.pp + s in where for s in range(self.pp))]
+        """The replicas that train: those with a rank for every stage (local; a copy)."""
+        return list(self._generation()[2])
 
     @property
     def working(self) -> bool:
@@ -133,9 +131,8 @@ class _MeshPolicy:
 
     def decide(self, context: RebuildContext) -> Decision:
         survivors, lost = set(context.active_ranks), set(context.lost_ranks)
-        ranks = [[d * self.pp + s for s in range(self.pp)] for d in range(self.dp)]
-        dropped = {d for d in range(self.dp) if not set(ranks[d]) <= survivors | lost}  # by an earlier shrink
-        whole = [d for d in range(self.dp) if set(ranks[d]) <= survivors]
+        dropped = set(range(self.dp)) - set(whole_replicas(self.dp, self.pp, survivors | lost))  # an earlier shrink
+        whole = whole_replicas(self.dp, self.pp, survivors)
         decision = (self.base if whole else without_shrink(self.base)).decide(context)
         if "shrink" in decision.modes:  # all lost ranks' replicas go out of use, none half replaced
             return Decision(("shrink",), f"{decision.reason}; replicas {sorted({r // self.pp for r in lost})} go out "

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic.comm import Group, LogicalRank, ProcessFailure, Role, Unrecoverable, World, agreed
-from elastic.recovery import LR_BOOST, checkfree_average, plan_mesh_recovery
+from elastic.recovery import LR_BOOST, checkfree_average, plan_mesh_recovery, whole_replicas
 
 from ._state import StepClock, TorchState
 
@@ -149,8 +149,7 @@ class StageRebuild:
     def _dropped(self) -> set[int]:
         """Replicas out of use: a shrink took one of their ranks (their stages are stale)."""
         present = {int(r) for r in self.world.logical_ranks}
-        return {d for d in range(self.replicas)
-                if any(d * self.stages + s not in present for s in range(self.stages))}
+        return set(range(self.replicas)) - set(whole_replicas(self.replicas, self.stages, present))
 
     def keep_end_copies(self, stage: Any, me: int) -> None:
         """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head, in each replica

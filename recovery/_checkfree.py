@@ -117,6 +117,12 @@ class MeshRecovery:
     sources: tuple[int, ...]
 
 
+def whole_replicas(dp: int, pp: int, present: Collection[int]) -> list[int]:
+    """The replicas of a ``dp`` x ``pp`` mesh with a rank for every stage in ``present`` (logical
+    ranks, a set or a mapping keyed by them), in order: those a shrink has not taken out of use."""
+    return [d for d in range(dp) if all(d * pp + s in present for s in range(pp))]
+
+
 def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = False,
                        dropped: Collection[int] = ()) -> list[MeshRecovery]:
     """Decide, for each lost rank of a ``dp`` x ``pp`` mesh (logical rank = replica * pp + stage),
