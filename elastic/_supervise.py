@@ -33,6 +33,10 @@ SWEEP_SECONDS = 1.0     # how often the launcher looks for stopped sentinels
 _NOISE = b"NBC_Progress: an error"
 # PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
 _LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
+# The runtime's words when it failed to come up, before any process of the job began: seen now and then
+# on a busy machine (a daemon of a simulated node that never reported, ~1 launch in 60; PMIx's listener
+# thread, ~1 in 300 here). Nothing of the job ran, so the launcher starts it once more.
+_START_FAILURE = re.compile(rb"The PMIx server's listener thread failed to start|A daemon failed to report back")
 
 
 class _Output(threading.Thread):
@@ -42,6 +46,7 @@ class _Output(threading.Thread):
         super().__init__(daemon=True)
         self.source, self.sink, self.hidden = source, sink, 0
         self.lost_nodes: list[str] = []
+        self.start_failure: str | None = None
 
     def run(self) -> None:
         after_noise = False
@@ -54,6 +59,9 @@ class _Output(threading.Thread):
             lost = _LOST_NODE.search(line)
             if lost:
                 self.lost_nodes.append(lost.group(1).decode(errors="replace"))
+            failed = _START_FAILURE.search(line)
+            if failed and self.start_failure is None:
+                self.start_failure = failed.group(0).decode()
             self.sink.buffer.write(line.replace(b"\0", b""))  # prterun's stream can carry a stray NUL
             self.sink.flush()
 
@@ -153,6 +161,10 @@ class Attempt:
     def hidden(self) -> int:
         return sum(output.hidden for output in self.outputs)
 
+    @property
+    def start_failure(self) -> str | None:
+        """The runtime's words when it could not come up (only meaningful when no process began)."""
+        return next((o.start_failure for o in self.outputs if o.start_failure), None)
 
 
 def run_pids(run_dir: Path) -> set[int]:

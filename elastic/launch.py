@@ -62,6 +62,7 @@ class _Launches:
     hidden: int = 0                         # Open MPI's interrupted-collective notices hidden
     leftovers: int = 0                      # processes killed after the job, unasked
     relaunches: int = 0
+    restarts: int = 0                       # launches made again because the runtime failed to come up
     lost: set[str] = dataclasses.field(default_factory=set)
     times: list[dict[str, float]] = dataclasses.field(default_factory=list)  # wall clock: launched, ended
 
@@ -117,6 +118,11 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         done.hidden += attempt.hidden
         done.leftovers += len(attempt.leftovers) if not attempt.stopping else 0
         mine = run_pids(plan.run_dir) - before
+        if not mine and attempt.start_failure and not attempt.stopping and not done.restarts:
+            done.restarts += 1  # nothing of the job ran: nothing is lost by starting it again, once
+            print(f"[launch] the runtime failed to come up ({attempt.start_failure}) before any process of the "
+                  "job began: starting it again", flush=True)
+            continue
         this = summarize(plan.run_dir, done.config.inject, mine)
         lost = attempt.lost_nodes | {o["host"] for o in this["outcomes"] if o["status"] == "injected-node"}
         lost_before, done.lost = set(done.lost), done.lost | lost
@@ -168,6 +174,8 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
     if done.relaunches:
         notes.append(f"{done.relaunches} relaunch(es) from the nodes' memory (nodes lost: "
                      f"{', '.join(sorted(done.lost)) or 'none'})")
+    if done.restarts:
+        notes.append("started twice: the first time the runtime failed to come up before any process began")
     if done.leftovers:
         notes.append(f"killed {done.leftovers} processes left behind by the job")
     if plan.relaunches and rc and plan.hosts and not plan.simulate_nodes:
@@ -175,6 +183,7 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
     report(summary, plan.run_dir, notes)
     summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
                     "signal": signal.Signals(got[0]).name if got else None, "relaunches": done.relaunches,
+                    "restarts": done.restarts,
                     "launches": done.times, "lost_nodes": sorted(done.lost), "job": plan.job})
     (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return rc

@@ -8,6 +8,7 @@ a hang would end at the launcher's timeout (exit 124) and fail the test.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,6 +197,29 @@ def test_a_program_that_cannot_start_is_refused_before_mpiexec(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_runtime_that_fails_to_come_up_is_started_once_more(tmp_path, reference_hash, fails):
+    """PRRTE now and then fails before any process begins (PMIx's listener thread, a daemon that never
+    reports): nothing of the job ran, so the launcher starts it again, once, and says so."""
+    tries = tmp_path / "tries"
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"""#!/bin/sh
+echo x >> {tries}
+if [ "$(wc -l < {tries})" -le {fails} ]; then
+  printf '%s\\n' "------" "The PMIx server's listener thread failed to start. We cannot" "continue." >&2; exit 1
+fi
+exec {shutil.which("mpiexec") or Path(sys.executable).parent / "mpiexec"} "$@"
+""")
+    mpiexec.chmod(0o755)
+    job = launch(tmp_path, 4, "--mpiexec", str(mpiexec))
+    assert "the runtime failed to come up (The PMIx server's listener thread failed to start)" in job.output
+    assert len(tries.read_text().split()) == 2 and job.summary["restarts"] == 1
+    if fails == 1:
+        assert job.rc == 0 and job.result["x_sha256"] == reference_hash, job.output
+    else:  # the second failure is the job's: told, not hidden behind a third try
+        assert job.rc == 1 and "no process of the job left a word" in job.output, job.output
+
+
 # ------------------------------------------------------------------ failures inside the machinery
 def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
     job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@12,3@spawn", program=NUMPY)
@@ -334,6 +358,7 @@ def test_the_report_reads_a_run_that_did_not_finish(tmp_path):
     (("--inject", "1@5:hang", "--hang-timeout", "0"), "nothing would ever notice it"),
     (("--inject", "1@5:stall"), "only --progress-timeout notices"),
     (("--inject", "1@spawn"), "never spawns"),
+    (("--mpiexec", "/no/such/mpiexec"), "give --mpiexec PATH"),
 ])
 def test_bad_options_are_refused_before_anything_starts(tmp_path, args, says):
     proc = subprocess.run([sys.executable, "-m", "elastic.launch", "-n", "4", "--run-dir", str(tmp_path / "run"),
