@@ -120,6 +120,7 @@ class ReplicatedStore:
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
+        self.given_up: list[int] = []  # by the last recover(give_up=True): dead ranks whose state had no copy left
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
         self._told: tuple[tuple[int, int], list[Any]] | None = None  # the last announcement heard, and for what
         self._backing: Backing = backing("" if world.job.alone else world.job.settings.node_store,
@@ -167,7 +168,7 @@ class ReplicatedStore:
             return []
         return sorted({f.owner for payload in self._current.payloads.values() for f in _read_header(payload)})
 
-    def recover(self, adopt: Adopt | None = None) -> bool:
+    def recover(self, adopt: Adopt | None = None, give_up: bool = False) -> bool:
         """Bring the dead ranks' state back from peers' memory (collective over the new active ranks).
 
         Call right after ``World.recover()``; who needs what is derived from
@@ -185,6 +186,12 @@ class ReplicatedStore:
 
         Returns False (on every rank) when no version was ever committed in the job: nothing to
         recover (and ``DataLost`` when one was, but every process that held it died).
+
+        ``give_up=True``: partial recovery. The dead ranks whose state has no live copy left are
+        named in ``given_up`` (the same on every rank) instead of raising ``DataLost``; the others
+        come back as usual, and a replacement of a given-up rank holds the version with no payload
+        of its own: the caller brings its state back some other way (a pipeline stage rebuilt from
+        its neighbours) and commits it.
 
         Raises:
             DataLost: every replica of some chunk died (same error on every rank).
@@ -222,15 +229,17 @@ class ReplicatedStore:
                                  if o in set(dead)})
         nbytes = {o: n for part in known for o, n in part.items()}
         t0 = time.perf_counter()
-        fetched = self._fetch(layout, dead, nbytes, live, receiver, number)
+        fetched = self._fetch(layout, dead, nbytes, live, receiver, number, give_up)
         self.last_recovery = {"fetch": time.perf_counter() - t0}
         if me in fetched:  # a replacement: its own payload, and none of the copies it should hold yet
             self._current = _Version(number, layout, {me: nbytes[me]}, {me: fetched.pop(me)}, {}, complete=False)
+        elif me in self.given_up:  # a replacement whose state is gone: the version, with no payload
+            self._current = _Version(number, layout, {}, {}, {}, complete=False)
         if self._current is not None:
             self._current.payloads.update(fetched)  # adopted after a shrink
             self._current.nbytes.update({o: nbytes[o] for o in fetched})
         world.events.emit("store_recovered", version=number, dead=dead, bytes_moved=self.bytes_moved,
-                          durations=self.last_recovery, replicated=not dead)
+                          durations=self.last_recovery, replicated=not dead, given_up=self.given_up)
         return True
 
     # -------------------------------------------------------------- commit
@@ -410,11 +419,12 @@ class ReplicatedStore:
         return self._current.number, self._current.complete, tuple(self.owners_here())
 
     def _fetch(self, layout: Layout, dead: list[int], nbytes: Mapping[int, int], live: set[int],
-               receiver: Mapping[int, int], number: int) -> dict[int, np.ndarray]:
+               receiver: Mapping[int, int], number: int, give_up: bool = False) -> dict[int, np.ndarray]:
         """Assemble every dead owner's payload at its receiver, from live holders (collective).
 
         Each holder checks the pieces it is to send against their checksums
-        first; a corrupted piece is planned again from another holder.
+        first; a corrupted piece is planned again from another holder. ``give_up``: owners with
+        no live copy go to ``given_up`` instead of raising ``DataLost``.
         """
         world = self.world
         me = int(world.logical_rank)
@@ -422,6 +432,7 @@ class ReplicatedStore:
         unknown: dict[int, list[int]] = {o: [] for o in dead if o not in nbytes}
         n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead if o in nbytes}
         bad: set[tuple[int, int, int]] = set()
+        self.given_up = []
         while True:
             try:
                 chosen = plan(layout, list(n_chunks), n_chunks, self.replication, live, bad)
@@ -429,8 +440,13 @@ class ReplicatedStore:
                     raise DataLost(unknown)
             except DataLost as exc:  # the same on every rank: everyone planned from the same agreed data
                 lost = DataLost({**unknown, **exc.lost})
-                world.events.emit("data_lost", lost=lost.lost)
-                raise agreed(lost) from None
+                world.events.emit("data_lost", lost=lost.lost, given_up=give_up)
+                if not give_up:
+                    raise agreed(lost) from None
+                self.given_up = sorted(set(self.given_up) | set(lost.lost))
+                unknown = {}
+                n_chunks = {o: n for o, n in n_chunks.items() if o not in lost.lost}
+                continue
             corrupt = [(me, p.owner, p.first) for p in chosen.values() if p.holder == me and not self._intact(p)]
             for _, owner, first in corrupt:
                 world.events.emit("corrupt_copy", owner=owner, chunk=first, holder=me)
@@ -438,7 +454,7 @@ class ReplicatedStore:
             if not any(reports):
                 break
             bad |= {(int(h), int(o), int(f)) for report in reports for h, o, f in report}
-        out = {o: np.empty(nbytes[o], np.uint8) for o in dead if receiver[o] == me}
+        out = {o: np.empty(nbytes[o], np.uint8) for o in n_chunks if receiver[o] == me}
         outgoing: dict[int, list[np.ndarray]] = {}
         incoming: dict[int, list[np.ndarray]] = {}
         for key in sorted(chosen):
