@@ -7,7 +7,8 @@ groups are computed from the current world (once per generation), so a
 rebuild leaves no bookkeeping to the program. Loop with
 ``elastic.pipeline.roll_forward`` (a step lands on every rank or on none) and
 bring lost stages back with ``StageRebuild(..., replicas=dp)``: from a live
-twin, exact; CheckFree(+) when every replica of a stage is gone;
+twin, exact; from the store's last commit where no twin lives (``commit_every``:
+every rank rolls back, exact); CheckFree(+) when no copy is left either;
 ``Unrecoverable`` naming the stages when not even that can rebuild them
 (``elastic.recovery.plan_mesh_recovery``).
 
@@ -128,6 +129,7 @@ class _MeshPolicy:
     dp: int
     pp: int
     checkfree_plus: bool
+    copies: bool
 
     def decide(self, context: RebuildContext) -> Decision:
         survivors, lost = set(context.active_ranks), set(context.lost_ranks)
@@ -140,19 +142,23 @@ class _MeshPolicy:
         try:
             plan_mesh_recovery(self.dp, self.pp, lost, self.checkfree_plus, dropped)
         except Unrecoverable as exc:
-            return Decision((), str(exc))
+            if not self.copies:  # with copies in a store, only its recovery can tell
+                return Decision((), str(exc))
         return decision
 
 
-def mesh_policy(dp: int, pp: int, base: Policy | None = None, checkfree_plus: bool = False) -> RebuildPolicy:
+def mesh_policy(dp: int, pp: int, base: Policy | None = None, checkfree_plus: bool = False,
+                copies: bool = False) -> RebuildPolicy:
     """The rebuild policy of a ``dp`` x ``pp`` mesh: ``base`` (default: the launcher's,
     ``Policy.from_env()``), shrinking only where a whole replica stays in use and then every lost
     rank's replica out of use (never a replica half replaced, half removed), and a stop before
     any replacement is started when the ranks lost in one rebuild took every replica of a stage
-    that CheckFree cannot rebuild. (A failure during an earlier rebuild's copy adds its lost
+    that CheckFree cannot rebuild, unless ``copies`` (the stages are committed to a store too,
+    ``StageRebuild(commit_every=...)``: which of them still have a copy only the store's recovery
+    tells, after the replacements). (A failure during an earlier rebuild's copy adds its lost
     stages to the next rebuild's plan, which ``StageRebuild`` then finds impossible, after the
     replacements: the same error.)"""
-    return _MeshPolicy(base if base is not None else Policy.from_env(), dp, pp, checkfree_plus)
+    return _MeshPolicy(base if base is not None else Policy.from_env(), dp, pp, checkfree_plus, copies)
 
 
 def without_shrink(policy: Policy) -> Policy:

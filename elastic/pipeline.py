@@ -1,19 +1,20 @@
 """Pipeline parallelism that loses a stage and goes on: the roll-forward loop and the stage rebuild.
 
-Ways back for a lost stage:
+``roll_forward`` applies a step's update only after a vote that every stage
+finished the step, so survivors never disagree on it; after a rebuild
+``StageRebuild`` brings the lost stages back, in this order: from a live
+data-parallel twin where the pipeline is one of several replicas (a mesh,
+``elastic.mesh``: exact, at the current step); from the copies each rank
+committed to a replicated store every few steps (every rank rolls back to
+that commit: exact); for a stage whose copies died too, from its neighbours
+(CheckFree, Blagoev et al., arXiv 2506.15461: the neighbours' blocks averaged
+by their last gradient norms; CheckFree+: an end stage as a copy of its
+swapped neighbour, which kept a copy of the end layer); else every rank stops
+with ``Unrecoverable`` naming the stages (``elastic.recovery.plan_mesh_recovery``).
 
-* a replica: commit the stage with ``TorchState`` and let ``elastic.run`` bring it
-  back from peers' memory (every rank rolls back to the commit; exact);
-* no copy anywhere: ``roll_forward`` never rolls back. A step's update is applied
-  only after a vote that every stage finished the step, so survivors never
-  disagree; after a rebuild ``StageRebuild`` brings the lost stages back
-  (``elastic.recovery.plan_mesh_recovery`` decides): from a live
-  data-parallel twin where the pipeline is one of several replicas (a mesh,
-  ``elastic.mesh``: exact), else from their neighbours (CheckFree, Blagoev et
-  al., arXiv 2506.15461: the neighbours' blocks averaged by their last
-  gradient norms; CheckFree+: an end stage as a copy of its swapped
-  neighbour, which kept a copy of the end layer), and training goes on from
-  the current step.
+A pipeline can also run on ``elastic.run`` with its stages in a ``TorchState``
+(``stage_state``): every rank rolls back to the last commit, and after a
+shrink a surviving neighbour adopts the lost stage and hosts two (``host_stages``).
 
 A stage is an ``nn.Module`` with ``body`` (its blocks: the same structure on
 every stage), ``embed`` on the first stage and ``head`` on the last.
@@ -26,8 +27,9 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic.comm import Group, LogicalRank, ProcessFailure, Role, Unrecoverable, World, agreed
-from elastic.recovery import LR_BOOST, checkfree_average, plan_mesh_recovery, whole_replicas
+from elastic.recovery import LR_BOOST, ReplicatedStore, checkfree_average, plan_mesh_recovery, whole_replicas
 
+from ._handlers import Module, Stateful
 from ._state import StepClock, TorchState
 
 __all__ = ["roll_forward", "StageRebuild", "body_grad_norm", "stage_state", "host_stages", "LR_BOOST"]
@@ -44,8 +46,8 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
         apply: the update of step ``s`` (the optimizer step; local), after the vote.
         rebuild: after a rebuild, brings back the stages of the logical ranks in ``lost`` (collective
             over the new world; a failure inside it adds the next rebuild's to them); returns the step
-            to go on from, or None for the step the survivors were at.
-        after: collective work once step ``s`` counts as done (``keep_end_copies``, a checkpoint).
+            to go on from (every rank rolled back to a copy), or None for the step the survivors were at.
+        after: collective work once step ``s`` counts as done (``StageRebuild.after_step``, a checkpoint).
         clock: records each step (events, progress line).
 
     Ends with ``world.finish()``; returns the steps done.
@@ -63,7 +65,8 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
                 known = world.allgather((step, sorted(lost)))
                 step, lost = max(k[0] for k in known), set().union(*(k[1] for k in known))
                 world.fault_point(None, "restore")  # the lost stages are about to be brought back
-                step = rebuild(lost) or step
+                resume = rebuild(lost)
+                step = step if resume is None else resume
                 pending = False
                 clock.restart()
             if step == steps:
@@ -88,7 +91,7 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
 
 
 def stage_state(world: Group, stage: Any, optimizer: Any, **values: Any) -> TorchState:
-    """The replica way back: this rank's stage and optimizer (and ``values``) in a ``TorchState``.
+    """A pipeline on ``elastic.run``: this rank's stage and optimizer (and ``values``) in a ``TorchState``.
 
     Every stage's values are per rank (they differ across stages), and after a
     shrink a removed stage goes to a surviving neighbour (the one before it, if
@@ -121,8 +124,11 @@ def body_grad_norm(stage: Any) -> float:
 
 
 class StageRebuild:
-    """Brings lost stages back: from a live data-parallel twin (exact), else from their neighbours
-    (CheckFree, CheckFree+), as ``elastic.recovery.plan_mesh_recovery`` decides; collective.
+    """Brings lost stages back, in this order: from a live data-parallel twin (exact, at the current
+    step); from the replicated store, every rank rolling back to the last commit (exact; with
+    ``commit_every``); from their neighbours (CheckFree, CheckFree+), where no copy is left; else
+    ``Unrecoverable`` naming the stages. ``elastic.recovery.plan_mesh_recovery`` decides between a
+    twin and CheckFree; collective.
 
     Args:
         world: the world; stage ``s`` of data-parallel replica ``d`` lives on logical rank
@@ -130,18 +136,22 @@ class StageRebuild:
             ``elastic.mesh.Mesh`` lays a mesh out alike).
         stages: pipeline depth S.
         plus: CheckFree+ (the end stages were trained in swapped order half the time; stages 1 and
-            S-2 keep copies of the embedding and the head through ``keep_end_copies``).
+            S-2 keep copies of the embedding and the head through ``after_step``).
         average_moments: also average the neighbours' Adam moments (beyond the paper, which starts
             the rebuilt stage with a fresh optimizer).
         replicas: data-parallel replicas of the pipeline (their stages kept equal by the program's
             gradient all-reduce, e.g. ``Mesh.allreduce_stage``).
+        commit_every: every this many steps ``after_step`` commits each rank's stage (weights,
+            optimizer, gradient norm, end-layer copies; the step is its version) to a ``ReplicatedStore`` in its
+            peers' memory; 0: no copies (twins and CheckFree only).
     """
 
     def __init__(self, world: Group, stages: int, plus: bool = False, average_moments: bool = False,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, commit_every: int = 0) -> None:
         self.world, self.stages, self.plus, self.average_moments = world, stages, plus, average_moments
-        self.replicas = replicas
+        self.replicas, self.commit_every = replicas, commit_every
         self.copies: dict[str, dict[str, np.ndarray]] = {}  # CheckFree+: the end layer this stage keeps
+        self.store = ReplicatedStore(world) if commit_every else None
 
     def _current(self, logical: int) -> int:
         return self.world.logical_ranks.index(LogicalRank(logical))
@@ -151,7 +161,32 @@ class StageRebuild:
         present = {int(r) for r in self.world.logical_ranks}
         return set(range(self.replicas)) - set(whole_replicas(self.replicas, self.stages, present))
 
-    def keep_end_copies(self, stage: Any, me: int) -> None:
+    def after_step(self, step: int, stage: Any, optimizer: Any, grad_norm: float) -> None:
+        """Once step ``step`` is done on every stage (collective; ``roll_forward``'s ``after``): the
+        CheckFree+ end-layer copies, and every ``commit_every`` steps a commit to the store."""
+        me = int(self.world.logical_rank)
+        self._keep_end_copies(stage, me)
+        if self.store is not None and step % self.commit_every == 0:
+            arrays = {**Module(stage).capture("stage"), **Stateful(optimizer).capture("optim"),
+                      "grad_norm": np.array([grad_norm])}
+            arrays.update({f"copy.{part}.{k}": v for part, values in self.copies.items() for k, v in values.items()})
+            self.store.commit(arrays, version=step)
+
+    def _roll_back(self, stage: Any, optimizer: Any) -> float:
+        """This rank's stage, optimizer and end-layer copies as the store's last version holds them
+        (local); returns the gradient norm of that version."""
+        assert self.store is not None
+        arrays = self.store.restore()
+        Module(stage).apply("stage", arrays)
+        Stateful(optimizer).apply("optim", {k: v for k, v in arrays.items() if k.startswith("optim.")})
+        self.copies = {}
+        for key, value in arrays.items():
+            if key.startswith("copy."):
+                part, name = key[len("copy."):].split(".", 1)
+                self.copies.setdefault(part, {})[name] = value.copy()
+        return float(arrays["grad_norm"][0])
+
+    def _keep_end_copies(self, stage: Any, me: int) -> None:
         """CheckFree+: stage 1 keeps a copy of the embedding, stage S-2 of the head, in each replica
         (collective, after an update); ``me``: this rank's logical rank."""
         if not self.plus or self.stages < 3:
@@ -166,17 +201,33 @@ class StageRebuild:
                 self.copies[got[0]] = got[1]
 
     def rebuild(self, lost: set[int], me: int, stage: Any, optimizer: Any, grad_norm: float,
-                make_optimizer: Callable[[float], Any]) -> tuple[Any, float]:
-        """Bring back the stages of the logical ranks in ``lost``: each from a live twin (its weights,
-        optimizer state, last gradient norm and end-layer copies: bitwise), else CheckFree, else
-        CheckFree+ for an end stage, else ``Unrecoverable`` naming the stages, on every rank alike
-        (collective). ``me``: this rank's logical rank; ``make_optimizer(lr_factor)`` gives a stage
-        rebuilt by CheckFree its fresh optimizer. Returns the optimizer and the gradient norm this
-        rank goes on with."""
-        try:
-            plan = plan_mesh_recovery(self.replicas, self.stages, lost, self.plus, self._dropped())
-        except Unrecoverable as exc:  # every rank plans from the same agreed rebuild: stop together
-            raise agreed(exc) from None
+                make_optimizer: Callable[[float], Any]) -> tuple[Any, float, int | None]:
+        """Bring back the stages of the logical ranks in ``lost``, on every rank alike (collective):
+        each from a live twin (its weights, optimizer state, last gradient norm and end-layer copies:
+        bitwise); where one has none, every rank rolls back to the store's last commit, which brings
+        back each lost stage that still has a copy (bitwise); CheckFree, or CheckFree+ for an end
+        stage, for those that have neither; else ``Unrecoverable`` naming the stages. ``me``: this
+        rank's logical rank; ``make_optimizer(lr_factor)`` gives a stage rebuilt by CheckFree its
+        fresh optimizer. Returns the optimizer and the gradient norm this rank goes on with, and
+        the step to go on from (that of the commit after a roll-back, else None)."""
+        resume = None
+        plan, problem = self._plan(lost)
+        # The store comes back on every rebuild (it must follow the world), and is used where a twin is not enough.
+        if self.store is not None and self.store.recover(give_up=True) and \
+                (problem is not None or any(way.method != "twin" for way in plan)):
+            given_up = set(self.store.given_up)
+            if me not in given_up:
+                grad_norm = self._roll_back(stage, optimizer)
+            resume = self.store.version  # the step it was committed at
+            for rank in sorted(lost - given_up):
+                if rank == me and me // self.stages not in self._dropped():
+                    self.world.events.emit("stage_rebuilt", stage=me % self.stages, method="store", sources=[],
+                                           replica=me // self.stages, moments=True, step=resume)
+            plan, problem = self._plan(given_up)  # what has no copy left, from twins or neighbours at the commit
+            if problem is not None:
+                problem = Unrecoverable(f"{problem} (and no copy of them was left in the store)")
+        if problem is not None:  # every rank plans from the same agreed data: stop together
+            raise agreed(problem)
         sends: dict[int, list] = {}
         for way in plan:
             if way.method == "twin" and me == way.sources[0]:
@@ -209,7 +260,13 @@ class StageRebuild:
                 optimizer = make_optimizer(LR_BOOST)
                 if moments:
                     _seed_moments(stage, optimizer, moments)
-        return optimizer, grad_norm
+        return optimizer, grad_norm, resume
+
+    def _plan(self, lost: set[int]) -> tuple[list[Any], Unrecoverable | None]:
+        try:
+            return plan_mesh_recovery(self.replicas, self.stages, lost, self.plus, self._dropped()), None
+        except Unrecoverable as exc:
+            return [], exc
 
 
 def _arrays(module: Any) -> dict[str, np.ndarray]:

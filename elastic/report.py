@@ -13,7 +13,7 @@ Per failure (one row per rebuild generation), in milliseconds:
 
 plus the steps redone (lost since the last commit) and the bytes moved; below
 the table, per failure: the policy's reason, what died, and how each lost pipeline
-stage came back (``stage_rebuilt``: from a twin, by CheckFree(+), a replica).
+stage came back (``stage_rebuilt``: from a twin, the store, by CheckFree(+), a replica).
 ETTR (effective training time ratio) = time spent in training steps that
 count toward the final model / wall time from start to finish.
 
@@ -102,7 +102,7 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "t_failure": start,
             "t_resumed": first_after["t"] if first_after else None,
             "failed_at_step": last_before,
-            "stages": [{k: e.get(k) for k in ("stage", "replica", "method", "sources")}
+            "stages": [{k: e.get(k) for k in ("stage", "replica", "method", "sources", "step")}
                        for e in of if e["event"] == "stage_rebuilt"],
             "interrupted": gen < generations[-1] and not any(e["gen"] == gen for e in steps),
         })
@@ -188,6 +188,7 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
         interrupted = "; recovery interrupted by the next failure" if r["interrupted"] else ""
         stages = "; ".join(f"stage {x['stage']}" + (f" of replica {x['replica']}" if x["replica"] is not None else "")
                            + f" by {x['method']}" + (f" from logical {x['sources']}" if x["sources"] else "")
+                           + (f" from the commit of step {x['step']}" if x["step"] is not None else "")
                            for x in r["stages"])
         lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
                      + (f"; died: {causes}" if causes else "") + (f"; rebuilt {stages}" if stages else "")

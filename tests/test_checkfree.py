@@ -84,6 +84,10 @@ def test_a_mesh_policy_shrinks_whole_replicas_away_and_stops_before_replacing_a_
     assert decide((1, 4)).modes == ("spawn",)  # replaced (CheckFree)
     doomed = decide((1, 2, 4, 5), spares=4)
     assert doomed.modes == () and "every data-parallel replica of stage(s) [1, 2] was lost" in doomed.reason
+    # With copies in a store, only its recovery can tell which stages still have one: replaced.
+    with_copies = mesh_policy(2, 3, base=Policy(modes=("spare", "shrink", "spawn")), copies=True)
+    assert with_copies.decide(RebuildContext(4, 4, 2, lost_ranks=(1, 2, 4, 5), active_ranks=(0, 3))).modes == \
+        ("spare",)
     # Replica 0 went out of use earlier: its ranks are no twins, so losing replica 1's stage 1 needs CheckFree.
     assert decide((4,), gone=(1,)).modes == ("spawn",)
     assert [(p.rank, p.method, p.sources) for p in plan_mesh_recovery(2, 3, {4}, dropped={0})] == [
