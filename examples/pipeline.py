@@ -1,30 +1,31 @@
-"""Pipeline-parallel training of a small decoder-only transformer that survives the loss of a stage.
+"""Pipeline-parallel training of a small decoder-only transformer that survives losing stages.
 
 One stage per logical rank (blocks of one shape; the embedding on the first, the head on the last),
-GPipe order through mpi4py, synthetic text. A stage lives on its rank only. Ways back (``--recovery``;
-the library's part is ``elastic.pipeline``): ``replica`` (committed to the replicated store: exact, on
-a spare, a spawned process, or after a shrink on the neighbour, which then hosts two stages);
-``checkfree`` (no copy: ``roll_forward`` applies a step only once every stage finished it, and
-``StageRebuild`` rebuilds a lost stage from its neighbours; ``--checkfree-plus`` for the end stages);
-``random`` (re-initialise it) and ``disk`` (torch.save, everyone rolls back) as baselines.
+GPipe order through mpi4py, synthetic text; with ``--dp D``, D data-parallel replicas of the
+pipeline (``examples/hybrid.py``: logical rank r holds stage r % pp of replica r // pp, the twins
+of a stage average their gradients). ``elastic.pipeline.roll_forward`` applies a step on every
+rank or on none, and the library brings a lost stage back (``StageRebuild``): from a live twin
+(exact); else from the copies every rank commits to the store every ``--commit-every`` steps
+(every rank rolls back to that commit: exact); else by CheckFree from its neighbours
+(``--checkfree-plus`` for the end stages); else every rank stops with ``Unrecoverable`` naming
+the stages. A lost stage needs a new process (a spare or a spawned one); a shrink is taken only
+where a whole replica is left, which then carries the global batch.
 
-    python -m elastic.launch -n 4 --spares 1 --inject 1@30 -- python examples/pipeline.py --recovery checkfree
+    python -m elastic.launch -n 4 --spares 1 --inject 1@30 -- python examples/pipeline.py
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 import elastic
-from elastic.mesh import without_shrink
-from elastic.pipeline import StageRebuild, body_grad_norm, host_stages, roll_forward, stage_state
+from elastic.mesh import Mesh, mesh_policy
+from elastic.pipeline import StageRebuild, body_grad_norm, roll_forward
 
 TAG = 900
 
@@ -90,11 +91,6 @@ def route(micro: int, stages: int, plus: bool) -> list[tuple[str, int]]:
     return [("embed", 0)] + [("body", s) for s in bodies] + [("head", stages - 1)]
 
 
-def stage_hosts(world: elastic.World, hosted: dict[int, "Stage"]) -> dict[int, int]:
-    """stage -> the current rank hosting it (collective): after a shrink a rank hosts two."""
-    return {s: r for r, stages in enumerate(world.allgather(sorted(hosted))) for s in stages}
-
-
 def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, int], stages: int,
                batch: torch.Tensor, args: argparse.Namespace) -> float:
     """Forward and backward of one global batch through the pipeline (collective over the stages); returns
@@ -147,112 +143,71 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
         return float(loss[0])
 
 
-# ------------------------------------------------------------------ the loops
-def run_without_copies(world: elastic.World, stage: Stage, optimizer: torch.optim.Optimizer, me: int, stages: int,
-                       text: torch.Tensor, batches: elastic.GlobalBatches, args: argparse.Namespace) -> int:
-    """checkfree / random / disk, on ``elastic.pipeline.roll_forward``: a step lands on every stage or on none."""
-    rebuilder = StageRebuild(world, stages, plus=args.checkfree_plus, average_moments=args.average_moments)
-    ckpt = Path(args.checkpoint_dir) / f"stage{me}.pt" if args.recovery == "disk" else None
-    hosted = {me: stage}
-    # A replacement learns the hosts with the survivors, after the rebuild (the same collective order).
-    run = {"optimizer": optimizer, "gnorm": 1.0,
-           "host": {} if world.role is elastic.Role.RECOVERED else stage_hosts(world, hosted)}
-
-    def compute(step: int) -> float:
-        run["optimizer"].zero_grad()
-        return train_step(world, hosted, run["host"], stages, text[torch.from_numpy(batches.batch(step))], args)
-
-    def apply(step: int) -> None:
-        run["gnorm"] = body_grad_norm(stage)
-        run["optimizer"].step()
-
-    def after(step: int) -> None:
-        rebuilder.keep_end_copies(stage, me)
-        if ckpt is not None and step % args.commit_every == 0:
-            torch.save({"stage": stage.state_dict(), "optimizer": run["optimizer"].state_dict(), "step": step}, ckpt)
-            world.vote(True)  # a checkpoint is whole once every stage wrote its part
-
-    def rebuild(lost: set[int]) -> int | None:
-        resume = None
-        if ckpt is not None:
-            saved = torch.load(ckpt, weights_only=False)
-            stage.load_state_dict(saved["stage"]), run["optimizer"].load_state_dict(saved["optimizer"])
-            resume = saved["step"]
-            world.events.emit("checkpoint_loaded", step=resume)
-        elif args.recovery == "random":
-            if me in lost:
-                world.events.emit("stage_rebuilt", stage=me, method="random", sources=[], moments=False)
-                run["optimizer"] = torch.optim.Adam(stage.parameters(), lr=args.lr)
-        else:
-            run["optimizer"], run["gnorm"] = rebuilder.rebuild(
-                lost, me, stage, run["optimizer"], run["gnorm"],
-                lambda boost: torch.optim.Adam(stage.parameters(), lr=args.lr * boost))
-        run["host"] = stage_hosts(world, hosted)
-        return resume
-
-    return roll_forward(world, args.steps, compute, apply, rebuild, after)
-
-
-def main() -> int:
+# ------------------------------------------------------------------ the loop
+def main(dp: int = 1, pp: int = 4) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recovery", choices=("replica", "checkfree", "random", "disk"), default="replica")
     parser.add_argument("--checkfree-plus", action="store_true", help="swapped-order micro-batches, end-layer copies")
     parser.add_argument("--average-moments", action="store_true", help="rebuild Adam's moments by CheckFree too")
-    for name, default in (("steps", 60), ("batch", 16), ("micro", 4), ("samples", 1024), ("seq", 32), ("vocab", 64),
-                          ("dim", 64), ("heads", 4), ("blocks", 1), ("lr", 3e-3), ("commit-every", 5), ("seed", 0)):
-        parser.add_argument(f"--{name}", type=type(default), default=default)  # blocks: per stage
-    parser.add_argument("--checkpoint-dir", default=None, help="for --recovery disk (default: the run directory)")
+    # -n dp*pp; batch: global, micro: per replica; commit-every: steps between copies in the store (0: none)
+    for name, default in (("dp", dp), ("pp", pp), ("commit-every", 5), ("steps", 60), ("batch", 16), ("micro", 4),
+                          ("samples", 1024), ("seq", 32), ("vocab", 64), ("dim", 64), ("heads", 4), ("blocks", 1),
+                          ("lr", 3e-3), ("seed", 0)):
+        parser.add_argument(f"--{name}", type=type(default), default=default)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    world = elastic.init(policy=mesh_policy(args.dp, args.pp, checkfree_plus=args.checkfree_plus,
+                                            copies=args.commit_every > 0))
+    mesh = Mesh(world, args.dp, args.pp)
+    me, s = int(world.logical_rank), mesh.stage
     text = make_text(args)
-    # Without copies a lost stage needs a new process (spare or spawn) to be rebuilt on.
-    policy = elastic.Policy.from_env()
-    world = elastic.init(policy=policy if args.recovery == "replica" else without_shrink(policy))
-    stages, me = world.job.initial_size, int(world.logical_rank)
-    args.checkpoint_dir = args.checkpoint_dir or os.environ.get("ELASTIC_RUN_DIR", ".")
-    stage = Stage(me, stages, args)
-    optimizer = torch.optim.Adam(stage.parameters(), lr=args.lr)
     batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+    stage = Stage(s, args.pp, args)  # the same initialisation on every replica
+    rebuilder = StageRebuild(world, args.pp, plus=args.checkfree_plus, average_moments=args.average_moments,
+                             replicas=args.dp, commit_every=args.commit_every)
+    run = {"optimizer": torch.optim.Adam(stage.parameters(), lr=args.lr), "gnorm": 1.0, "loss": float("nan")}
 
-    hosted = {me: stage}
-    if args.recovery == "replica":
-        optimizers = {me: optimizer}
-        state = stage_state(world, stage, optimizer, step=0)
+    def compute(step: int) -> float:
+        replicas = len(mesh.in_use)
+        if not mesh.working:  # a shrink took part of this replica: the others carry the batch
+            run["loss"] = train_step(world, {}, {}, args.pp, text[:0], args) / replicas  # the loss sum only
+            return run["loss"]
+        run["optimizer"].zero_grad()
+        mine = mesh.shard(batches.batch(step))
+        loss = train_step(world, {s: stage}, mesh.stage_hosts(), args.pp, text[torch.from_numpy(mine)], args)
+        grads = [p.grad for p in stage.parameters()]
+        mesh.allreduce_stage([g.numpy() for g in grads], step)
+        for g in grads:
+            g.div_(replicas)
+        run["loss"] = loss / replicas
+        return run["loss"]
 
-        def make(s: int) -> tuple[Stage, torch.optim.Optimizer]:
-            made = Stage(s, stages, args)
-            return made, torch.optim.Adam(made.parameters(), lr=args.lr)
+    def apply(step: int) -> None:
+        if mesh.working:
+            run["gnorm"] = body_grad_norm(stage)
+            run["optimizer"].step()
 
-        @elastic.run
-        def train(world: elastic.World, state: elastic.TorchState) -> None:
-            host_stages(state, hosted, optimizers, make)  # a replacement, or a removed neighbour's stage
-            host = stage_hosts(world, hosted)
-            while state.step < args.steps:
-                world.fault_point(state.step)
-                for opt in optimizers.values():
-                    opt.zero_grad()
-                loss = train_step(world, hosted, host, stages, text[torch.from_numpy(batches.batch(state.step))], args)
-                for opt in optimizers.values():
-                    opt.step()
-                state.step += 1
-                state.record_step(state.step, loss, total=args.steps)
-                if state.step % args.commit_every == 0:
-                    state.commit()
+    def rebuild(lost: set[int]) -> int | None:
+        run["optimizer"], run["gnorm"], resume = rebuilder.rebuild(
+            lost, me, stage, run["optimizer"], run["gnorm"],
+            lambda boost: torch.optim.Adam(stage.parameters(), lr=args.lr * boost))
+        return resume  # the step to go on from after a roll-back to the store's copies
 
-        train(world, state)
-        steps = state.step
-    else:
-        steps = run_without_copies(world, stage, optimizer, me, stages, text, batches, args)
+    steps = roll_forward(world, args.steps, compute, apply, rebuild,
+                         after=lambda step: rebuilder.after_step(step, stage, run["optimizer"], run["gnorm"]))
 
-    fresh = {s: Stage(s, stages, args).state_dict() for s in hosted}
-    mine = [{"stage": s, "sha256": hashlib.sha256(b"".join(v.numpy().tobytes() for v in st.state_dict().values()))
-             .hexdigest(), "finite": all(bool(torch.isfinite(p).all()) for p in st.parameters()),
-             "shapes_ok": all(a.shape == b.shape for a, b in zip(st.state_dict().values(), fresh[s].values()))}
-            for s, st in sorted(hosted.items())]
-    report = sorted((r for part in world.allgather(mine) for r in part), key=lambda r: r["stage"])
+    digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in stage.state_dict().values())).hexdigest()
+    finite = all(bool(torch.isfinite(p).all()) for p in stage.parameters())
+    stages = sorted(world.allgather({"replica": mesh.replica, "stage": s, "sha256": digest, "finite": finite}),
+                    key=lambda r: (r["replica"], r["stage"]))
     if world.rank == 0:
-        print(f"[pipeline] {steps} steps, {stages} stages, recovery {args.recovery}, generation {world.generation}")
-        world.events.emit("result", steps=steps, stages=report, generation=world.generation)
+        in_use = [r for r in stages if r["replica"] in mesh.in_use]
+        replicas_equal = all(r["sha256"] == in_use[r["stage"]]["sha256"] for r in in_use)
+        model = hashlib.sha256("".join(r["sha256"] for r in in_use[:args.pp]).encode()).hexdigest()
+        print(f"[pipeline] {steps} steps, {args.dp} x {args.pp} mesh, replicas in use {mesh.in_use}, "
+              f"generation {world.generation}, replicas equal: {replicas_equal}, loss {run['loss']:.6f}")
+        print(f"model sha256 {model}")
+        world.events.emit("result", steps=steps, stages=in_use, replicas_equal=replicas_equal, sha256=model,
+                          in_use=mesh.in_use, final_loss=run["loss"], generation=world.generation)
     return 0
 
 

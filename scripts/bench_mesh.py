@@ -8,8 +8,11 @@ step ``steps // 2``):
 
 * ``twin``: ``examples/hybrid.py`` on a 2 x 2 mesh, logical rank 1 (stage 1 of replica 0) killed,
   a parked spare takes its place and gets the stage from its twin (logical 3);
-* ``checkfree``: a 2 x 3 mesh, both replicas of stage 1 killed at once, two spares rebuilt by
-  CheckFree from stages 0 and 2;
+* ``store``: the 2 x 2 mesh (a commit to the store every 5 steps, the example's default), both
+  replicas of stage 1 killed at once: every rank rolls back to the last commit, two spares get
+  the stage from the store's copies;
+* ``checkfree``: a 2 x 3 mesh without store copies, both replicas of stage 1 killed at once, two
+  spares rebuilt by CheckFree from stages 0 and 2;
 * ``dp spare``: ``examples/train.py`` (data parallel, ``elastic.run``, a commit every 5 steps)
   on 4 ranks, logical rank 1 killed, a spare restores it from the replicated store;
 * ``restart`` (a floor for checkpoint-restart of the 2 x 2 mesh): a fresh launch (the launcher
@@ -60,8 +63,9 @@ def main() -> int:
     mesh = ["examples/hybrid.py", "--dp", "2", "--pp", "2", *steps]
     cases = {
         "twin": (4, ["--spares", "1", "--inject", f"1@{kill}"], mesh),
+        "store": (4, ["--spares", "2", "--inject", f"1@{kill},3@{kill}"], mesh),
         "checkfree": (6, ["--spares", "2", "--inject", f"1@{kill},4@{kill}"],
-                      ["examples/hybrid.py", "--dp", "2", "--pp", "3", *steps]),
+                      ["examples/hybrid.py", "--dp", "2", "--pp", "3", *steps, "--commit-every", "0"]),
         "dp spare": (4, ["--spares", "1", "--inject", f"1@{kill}"],
                      ["examples/train.py", *steps, "--commit-every", str(CHECKPOINT_EVERY)]),
         "restart": (4, [], mesh),
@@ -81,8 +85,8 @@ def main() -> int:
                 else:
                     row = timeline(events)[0]
                     downs[name].append(row["down"] / 1e3)
-                    methods = sorted({e["method"] for e in events if e["event"] == "stage_rebuilt"})
-                    detail[name] = ", ".join(methods) or f"restored from the store, {row['redone']} steps redone"
+                    methods = ", ".join(sorted({e["method"] for e in events if e["event"] == "stage_rebuilt"}))
+                    detail[name] = f"{methods or 'restored from the store'}, {row['redone']} steps redone"
     base = statistics.median(downs["dp spare"])
     rows = [{"case": name, "down_s": statistics.median(v), "vs_dp_spare": statistics.median(v) / base,
              "runs": len(v), "how": detail[name]} for name, v in downs.items()]

@@ -3,11 +3,10 @@
     python scripts/pipeline_experiment.py [--steps 120] [--plot elastic-run/pipeline/loss.png]
 
 examples/pipeline.py (4 stages of one transformer block, synthetic text) runs
-once without failure and once per recovery: (a) exact replica from the store,
-(b) CheckFree (interior stage) / CheckFree+ (end stages), (b') the same with
-Adam's moments rebuilt by the same weighted average, (c) random
-re-initialisation of the lost stage, (d) roll-back to the last on-disk
-checkpoint (torch.save every 10 steps). Scenario 1 loses interior stage 1;
+once without failure and once per way back: (a) the store's copies (a commit
+every 10 steps; every rank rolls back to it: exact), (b) without copies,
+CheckFree (interior stage) / CheckFree+ (end stages), (b') the same with
+Adam's moments rebuilt by the same weighted average. Scenario 1 loses interior stage 1;
 scenario 2 loses stage 1 and then the last stage. Printed per run: steps run
 twice (roll-backs), how many steps behind the failure-free run it ends (when
 that run first had this run's final loss, against when it first had its own;
@@ -28,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from elastic.report import final_steps  # noqa: E402
 from elastic.comm.events import read_events  # noqa: E402
 
-WAYS = {"none": ("replica",), "replica": ("replica",), "checkfree": ("checkfree",),
-        "checkfree+moments": ("checkfree", "--average-moments"), "random": ("random",), "disk": ("disk",)}
+WAYS = {"none": (), "store": (), "checkfree": ("--commit-every", "0"),
+        "checkfree+moments": ("--commit-every", "0", "--average-moments")}
 PAPER = ("The paper (500M LLaMa, 5%/h stage failures, to validation loss 2.85): checkpointing 558 h, "
          "CheckFree 368 h, CheckFree+ 355 h (about 1.6x faster); 1.5B perplexity 16.07 without failures, "
          "17.59 with CheckFree, 17.07 with CheckFree+. This toy (4 stages of one block, synthetic text, "
@@ -39,7 +38,7 @@ PAPER = ("The paper (500M LLaMa, 5%/h stage failures, to validation loss 2.85): 
 def run(tmp: Path, name: str, way: str, kills: str, spares: int, steps: int) -> dict:
     run_dir = tmp / f"{name}-{way}"
     launcher = ["--spares", str(spares), "--inject", kills] if way != "none" else []
-    args = ["--recovery", *WAYS[way], "--checkfree-plus", "--steps", str(steps), "--commit-every", "10"]
+    args = ["--commit-every", "10", *WAYS[way], "--checkfree-plus", "--steps", str(steps)]
     started = time.time()
     subprocess.run([sys.executable, "-m", "elastic.launch", "-n", "4", "--timeout", "600", "--run-dir",
                     str(run_dir), *launcher, "--", sys.executable, "examples/pipeline.py", *args],

@@ -1,6 +1,7 @@
 """A data x pipeline mesh losing ranks to real kills: the library brings each lost stage back from a
-live data-parallel twin (exact: the run ends bitwise where a failure-free run ends), by CheckFree when
-every replica of the stage died, and stops every rank naming the stages when not even that can.
+live data-parallel twin (exact: the run ends bitwise where a failure-free run ends), from the store's
+copies when every replica of the stage died (every rank rolls back: exact), by CheckFree when its
+copies died too, and stops every rank naming the stages when not even that can.
 
 ``examples/hybrid.py``: logical rank = replica * pp + stage; ``model sha256`` hashes replica 0's stages,
 ``replicas_equal`` says every replica of every stage ended bitwise equal.
@@ -15,6 +16,7 @@ from elastic.report import final_steps, format_report
 pytestmark = pytest.mark.fault
 MESH_2X2 = ("examples/hybrid.py", "--dp", "2", "--pp", "2", "--steps", "16")
 MESH_2X3 = ("examples/hybrid.py", "--dp", "2", "--pp", "3", "--steps", "16")
+NO_COPIES = ("--commit-every", "0")  # no stage in the store: twins and CheckFree only
 
 
 def finished(job) -> dict:
@@ -43,7 +45,6 @@ def test_a_lost_rank_comes_back_bitwise_from_its_twin(tmp_path, failure_free):
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@6", program=MESH_2X2)
     assert finished(job)["sha256"] == failure_free
     assert rebuilt(job) == [(1, 1, 1, "twin", (3,))]  # stage 1 of replica 0, from stage 1 of replica 1
-    assert not job.of("state_restored")  # no copy in any store: the twin is the copy
     assert "rebuilt stage 1 of replica 0 by twin from logical [3]" in format_report(tmp_path / "run")
 
 
@@ -65,8 +66,15 @@ def test_a_shrink_takes_the_lost_ranks_replica_out_of_use_and_the_other_carries_
     assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4)
 
 
-def test_every_replica_of_a_stage_lost_is_rebuilt_by_checkfree_and_training_goes_on(tmp_path):
-    job = launch(tmp_path, 6, "--spares", "2", "--inject", "1@6,4@6", program=MESH_2X3)
+def test_every_replica_of_a_stage_lost_comes_back_bitwise_from_the_store(tmp_path, failure_free):
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@6,3@6", program=MESH_2X2)
+    assert finished(job)["sha256"] == failure_free
+    assert rebuilt(job) == [(1, 1, 1, "store", ()), (1, 3, 1, "store", ())]  # rolled back to the commit of step 5
+    assert "rebuilt stage 1 of replica 0 by store from the commit of step 5" in format_report(tmp_path / "run")
+
+
+def test_every_replica_of_a_stage_lost_without_copies_is_rebuilt_by_checkfree_and_training_goes_on(tmp_path):
+    job = launch(tmp_path, 6, "--spares", "2", "--inject", "1@6,4@6", program=MESH_2X3 + NO_COPIES)
     finished(job)  # both replicas of stage 1 rebuilt alike: equal again
     assert rebuilt(job) == [(1, 1, 1, "checkfree", (0, 2)), (1, 4, 1, "checkfree", (0, 2))]
     steps = final_steps(job.events)
@@ -77,7 +85,7 @@ def test_every_replica_of_a_stage_lost_is_rebuilt_by_checkfree_and_training_goes
 def test_two_neighbouring_stages_lost_on_every_replica_stop_every_rank_naming_them(tmp_path):
     # Spawn allowed, nothing parked: the mesh's policy stops before starting a replacement for nothing
     # (were the four deaths seen over two rebuilds, StageRebuild would stop the job the same way).
-    job = launch(tmp_path, 6, "--rebuild", "spawn", "--inject", "1@6,2@6,4@6,5@6", program=MESH_2X3)
+    job = launch(tmp_path, 6, "--rebuild", "spawn", "--inject", "1@6,2@6,4@6,5@6", program=MESH_2X3 + NO_COPIES)
     assert job.rc == 1, job.output
     errors = [o for o in job.outcomes if o["status"] == "error"]
     assert {o["kind"] for o in errors} == {"Unrecoverable"}, job.outcomes
@@ -85,3 +93,14 @@ def test_two_neighbouring_stages_lost_on_every_replica_stop_every_rank_naming_th
     assert all("every data-parallel replica of stage(s) [1, 2] was lost and CheckFree cannot" in o["message"]
                for o in errors)
     assert not job.of("stage_rebuilt")
+
+
+def test_stages_whose_copies_survived_come_from_the_store_and_the_others_by_checkfree_beside_them(tmp_path):
+    # The same four deaths with copies: stage 2's (on logical 3 and 0) survived, stage 1's (on 2 and 5)
+    # did not. Every rank rolls back to the commit of step 5, stage 2 comes back from the store and
+    # stage 1 by CheckFree from stage 0 and the restored stage 2; without copies the job stopped.
+    job = launch(tmp_path, 6, "--rebuild", "spawn", "--inject", "1@6,2@6,4@6,5@6", program=MESH_2X3)
+    finished(job)
+    assert rebuilt(job) == [(1, 1, 1, "checkfree", (0, 2)), (1, 2, 2, "store", ()), (1, 4, 1, "checkfree", (0, 2)),
+                            (1, 5, 2, "store", ())]
+    assert [e["given_up"] for e in job.of("store_recovered") if e["logical"] == 0] == [[1, 4]]
