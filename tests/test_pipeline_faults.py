@@ -46,7 +46,7 @@ def long_run(tmp_path_factory):
     return job
 
 
-@pytest.mark.parametrize("stage, how", [(1, ("--spares", "1")), (0, ("--spares", "1")), (3, ("--rebuild", "spawn"))])
+@pytest.mark.parametrize("stage, how", [(1, ("--spares", "1")), (3, ("--rebuild", "spawn"))])
 def test_a_lost_stage_comes_back_bitwise_from_the_store(tmp_path, failure_free, stage, how):
     job = launch(tmp_path, 4, *how, "--inject", f"{stage}@17", program=PIPE + SHORT)
     assert hashes(job) == failure_free
