@@ -175,10 +175,13 @@ def _kill_node() -> None:
     uts = _namespace(os.getpid())
     if uts is not None and uts != _namespace(1):
         # A simulated node is its own UTS namespace: all of it goes, whatever the process tree says
-        # (a rank of a killed fake node was once found alive, not below the daemon the walk found,
-        # or with no daemon found above the injecting rank at all).
+        # (no daemon may be found above the injecting rank at all).
         node += [pid for pid in pids if pid not in node and _namespace(pid) == uts]
-    others = [p for p in node if p != os.getpid()]
+    ancestors, pid = [], os.getppid()
+    while pid > 1:
+        ancestors.append(pid)
+        pid = int(_proc_field(pid, "ppid") or 1)
+    others = _kill_order(node, os.getpid(), ancestors)
     for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: nothing on the node reacts to the rest dying
         for pid in others:
             try:
@@ -186,6 +189,15 @@ def _kill_node() -> None:
             except ProcessLookupError:
                 pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_order(node: list[int], me: int, ancestors: list[int]) -> list[int]:
+    """The order in which process ``me`` kills the other processes of ``node``: its own ancestors
+    (``ancestors``: parent first) last, its parent (the sentinel) the very last. The sentinel's
+    death takes ``me`` with it (PR_SET_PDEATHSIG), and what it had not killed by then lived on,
+    frozen until its orphaned process group got SIGHUP and SIGCONT (a rank of a killed fake node
+    was found alive, training on its own)."""
+    return [p for p in node if p != me and p not in ancestors] + [p for p in reversed(ancestors) if p in node]
 
 
 def _namespace(pid: int) -> str | None:

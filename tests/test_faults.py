@@ -154,7 +154,7 @@ def test_a_single_process_without_mpiexec_runs_as_a_world_of_one():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "a single process without mpiexec" in proc.stderr  # said once, with what to run instead
     assert "done: 12 steps on 1 ranks" in proc.stdout
-    strict = subprocess.run([sys.executable, "examples/train.py", "--steps", "3"], capture_output=True, text=True,
+    strict = subprocess.run([sys.executable, "examples/jacobi.py"], capture_output=True, text=True,
                             timeout=120, env={**env, "ELASTIC_REQUIRE_ULFM": "1"}, cwd=root)
     assert strict.returncode != 0 and "UlfmUnavailable" in strict.stderr
 

@@ -168,8 +168,10 @@ def _stages(commit_every: int = 2, steps: int = 8):
     class Stage(nn.Module):
         def __init__(self, s: int) -> None:
             super().__init__()
-            torch.manual_seed(s)
             self.body = nn.Linear(3, 3)
+            with torch.no_grad():  # not from torch's RNG: the simulated ranks share it (threads of one process)
+                for i, p in enumerate(self.body.parameters()):
+                    p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (s + 1 + i))
 
     def main(world):
         me = int(world.logical_rank)

@@ -277,3 +277,12 @@ def test_the_errors_kinds_say_what_to_do_next_and_are_all_programming_errors():
         end = describe_end({"status": "failed", "kind": kind.__name__, "message": "m", "step": 3}, None)
         assert end is not None and end["programming"], kind
     assert set(PROGRAMMING_ERRORS) == {"ConfigError", "CommitRejected", "NothingCommitted", "ProtocolError"}
+
+
+def test_a_node_kill_ends_with_the_killers_own_sentinel():
+    """The rank that kills its node dies with its sentinel (the parent-death signal): every other
+    process of the node must be killed before it, its ancestors last, whatever order the walk found."""
+    from elastic.comm.faults import _kill_order
+    node = [10, 30, 31, 20, 21]  # the daemon, then sentinels and their ranks as the walk met them
+    assert _kill_order(node, me=31, ancestors=[30, 10, 1]) == [20, 21, 10, 30]
+    assert _kill_order(node, me=21, ancestors=[20, 10, 1]) == [30, 31, 10, 20]
