@@ -31,6 +31,13 @@ def rebuilt(job) -> list[tuple]:
                   for e in job.of("stage_rebuilt"))
 
 
+def last_rebuilt(job) -> list[tuple]:
+    """The stages the last rebuild brought back: ranks killed together may be seen over two rebuilds,
+    the first cut short by the deaths it had not seen yet, and the second then brings back all."""
+    done = rebuilt(job)
+    return [r[1:] for r in done if r[0] == done[-1][0]] if done else []
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     return finished(launch(tmp_path_factory.mktemp("mesh"), 4, program=MESH_2X2))
@@ -69,7 +76,7 @@ def test_a_shrink_takes_the_lost_ranks_replica_out_of_use_and_the_other_carries_
 def test_every_replica_of_a_stage_lost_comes_back_bitwise_from_the_store(tmp_path, failure_free):
     job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@6,3@6", program=MESH_2X2)
     assert finished(job)["sha256"] == failure_free
-    assert rebuilt(job) == [(1, 1, 1, "store", ()), (1, 3, 1, "store", ())]  # rolled back to the commit of step 5
+    assert last_rebuilt(job) == [(1, 1, "store", ()), (3, 1, "store", ())]  # rolled back to the commit of step 5
     assert "rebuilt stage 1 of replica 0 by store from the commit of step 5" in format_report(tmp_path / "run")
 
 
@@ -92,9 +99,9 @@ def test_stages_whose_copies_survived_come_from_the_store_and_the_others_by_chec
     # stage 1 by CheckFree from stage 0 and the restored stage 2; without copies the job stopped.
     job = launch(tmp_path, 6, "--rebuild", "spawn", "--inject", "1@6,2@6,4@6,5@6", program=MESH_2X3)
     finished(job)  # both replicas of stage 1 rebuilt alike: equal again
-    assert rebuilt(job) == [(1, 1, 1, "checkfree", (0, 2)), (1, 2, 2, "store", ()), (1, 4, 1, "checkfree", (0, 2)),
-                            (1, 5, 2, "store", ())]
-    assert [e["given_up"] for e in job.of("store_recovered") if e["logical"] == 0] == [[1, 4]]
+    assert last_rebuilt(job) == [(1, 1, "checkfree", (0, 2)), (2, 2, "store", ()), (4, 1, "checkfree", (0, 2)),
+                                 (5, 2, "store", ())]
+    assert [e["given_up"] for e in job.of("store_recovered") if e["logical"] == 0][-1] == [1, 4]
     steps = final_steps(job.events)
     assert sorted(steps) == list(range(1, 17))  # the loss curve, through the failure
     assert steps[16]["loss"] < steps[1]["loss"], {s: steps[s]["loss"] for s in steps}

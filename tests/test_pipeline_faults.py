@@ -87,4 +87,4 @@ def test_two_neighbouring_stages_with_no_copy_stop_every_rank_naming_them(tmp_pa
     assert len(errors) == 4 and {o["kind"] for o in errors} == {"Unrecoverable"}
     assert all("stage 1: a neighbouring stage was lost too" in o["message"] and "no copy of them was left in the "
                "store" in o["message"] for o in errors)
-    assert [e["given_up"] for e in job.of("store_recovered")][:1] == [[1, 2]]
+    assert [e["given_up"] for e in job.of("store_recovered") if e["logical"] == 0][-1:] == [[1, 2]]
