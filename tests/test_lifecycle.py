@@ -226,7 +226,11 @@ def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
     assert_bitwise(job, reference(NUMPY), "optimizer_sha256")
     rebuild = the_rebuild(job)
     assert rebuild["failed"] == [1, 3] and rebuild["replaced"] == [1, 3] and rebuild["attempts"] >= 2
-    assert [o["status"] for o in job.outcomes].count("spawn-abandoned") == 1  # the first spawn's child
+    # The first spawn's child: it says it was abandoned, or (seen once in CI, the machine busy) it was
+    # still joining its parents when they gave up on it, and its sentinel killed it at its bound.
+    abandoned = [o for o in job.outcomes if o["status"] == "spawn-abandoned"]
+    bounded = [f for f in job.fates if f["end"] == "deadline"]
+    assert len(abandoned) + len(bounded) == 1, (job.outcomes, job.fates)
 
 
 def test_spawn_runs_under_the_default_detection(tmp_path, reference):
