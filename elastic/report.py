@@ -102,8 +102,10 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "t_failure": start,
             "t_resumed": first_after["t"] if first_after else None,
             "failed_at_step": last_before,
-            "stages": [{k: e.get(k) for k in ("stage", "replica", "method", "sources", "step")}
-                       for e in of if e["event"] == "stage_rebuilt"],
+            # By replica and stage: the ranks bringing them back write their events in any order.
+            "stages": sorted(({k: e.get(k) for k in ("stage", "replica", "method", "sources", "step")}
+                              for e in of if e["event"] == "stage_rebuilt"),
+                             key=lambda x: (x["replica"] or 0, x["stage"])),
             "interrupted": gen < generations[-1] and not any(e["gen"] == gen for e in steps),
         })
     return rows
