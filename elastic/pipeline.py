@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elastic.comm import Group, LogicalRank, ProcessFailure, Role, Unrecoverable, World, agreed
+from elastic.comm import Group, ProcessFailure, Role, Unrecoverable, World, agreed
 from elastic.recovery import LR_BOOST, ReplicatedStore, checkfree_average, plan_mesh_recovery, whole_replicas
 
 from ._handlers import Module, Stateful
@@ -152,14 +152,23 @@ class StageRebuild:
         self.replicas, self.commit_every = replicas, commit_every
         self.copies: dict[str, dict[str, np.ndarray]] = {}  # CheckFree+: the end layer this stage keeps
         self.store = ReplicatedStore(world) if commit_every else None
+        # This generation's logical -> current rank table and replicas out of use, made once per
+        # generation (as ``Mesh`` keeps its own): the end-layer copies read them every step.
+        self._layout: tuple[int, dict[int, int], set[int]] = (-1, {}, set())
+
+    def _generation(self) -> tuple[int, dict[int, int], set[int]]:
+        if self._layout[0] != self.world.generation:
+            where = {int(logical): rank for rank, logical in enumerate(self.world.logical_ranks)}
+            dropped = set(range(self.replicas)) - set(whole_replicas(self.replicas, self.stages, where))
+            self._layout = (self.world.generation, where, dropped)
+        return self._layout
 
     def _current(self, logical: int) -> int:
-        return self.world.logical_ranks.index(LogicalRank(logical))
+        return self._generation()[1][logical]
 
     def _dropped(self) -> set[int]:
         """Replicas out of use: a shrink took one of their ranks (their stages are stale)."""
-        present = {int(r) for r in self.world.logical_ranks}
-        return set(range(self.replicas)) - set(whole_replicas(self.replicas, self.stages, present))
+        return self._generation()[2]
 
     def after_step(self, step: int, stage: Any, optimizer: Any, grad_norm: float) -> None:
         """Once step ``step`` is done on every stage (collective; ``roll_forward``'s ``after``): the
@@ -178,7 +187,7 @@ class StageRebuild:
         assert self.store is not None
         arrays = self.store.restore()
         Module(stage).apply("stage", arrays)
-        Stateful(optimizer).apply("optim", {k: v for k, v in arrays.items() if k.startswith("optim.")})
+        Stateful(optimizer).apply("optim", arrays)
         self.copies = {}
         for key, value in arrays.items():
             if key.startswith("copy."):
