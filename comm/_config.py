@@ -98,6 +98,11 @@ class Config:
         node_store: a directory in node memory (``/dev/shm/elastic-<job>``) where the store keeps
             each rank's committed version as files that outlive the processes (tier 2; None: off).
         relaunch: set by the launcher on a relaunch (``Relaunch``).
+        on_nonfinite: a NaN or Inf in the loss, the gradients' norm or the committed values at a
+            recovery point: ``rollback`` (to the last good version, then the step again), ``skip``
+            (roll back, and drop the offending step) or ``stop`` (an agreed error); default rollback.
+        straggler_factor: a rank whose own work per step is this many times the median's ...
+        straggler_steps: ... for this many steps in a row is evicted like a failed rank (0: off).
     """
 
     spares: int = 0
@@ -119,12 +124,21 @@ class Config:
     progress_seconds: float = 0.0
     node_store: str | None = None
     relaunch: Relaunch | None = None
+    on_nonfinite: str = "rollback"
+    straggler_factor: float = 0.0
+    straggler_steps: int = 5
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
         if not self.rebuild or bad or len(set(self.rebuild)) != len(self.rebuild):
             self._refuse("rebuild", f"give an ordered list drawn from {', '.join(MODES)} without repeats, "
                                     "e.g. 'spare,shrink' or 'spawn'")
+        if self.on_nonfinite not in NONFINITE:
+            self._refuse("on_nonfinite", f"give one of {', '.join(NONFINITE)}")
+        if self.straggler_factor and self.straggler_factor <= 1:
+            self._refuse("straggler_factor", "give a factor > 1 (3: three times the median step), or 0 for off")
+        if self.straggler_steps < 1:
+            self._refuse("straggler_steps", "give steps >= 1 (a rank must be slow that many steps in a row)")
         if self.log_level not in LOG_LEVELS:
             self._refuse("log_level", f"give one of {', '.join(LOG_LEVELS)}")
         for name in ("spares", "min_size", "multiple_of", "max_failures", "spawn_seconds", "hang_timeout",
@@ -175,8 +189,10 @@ ENV = {
     "hang_timeout": "ELASTIC_HANG_TIMEOUT", "progress_timeout": "ELASTIC_PROGRESS_TIMEOUT",
     "term_grace": "ELASTIC_TERM_GRACE", "require_ulfm": "ELASTIC_REQUIRE_ULFM", "log_level": "ELASTIC_LOG_LEVEL",
     "progress_every": "ELASTIC_PROGRESS_EVERY", "progress_seconds": "ELASTIC_PROGRESS_SECONDS",
-    "node_store": "ELASTIC_NODE_STORE", "relaunch": "ELASTIC_RELAUNCH",
+    "node_store": "ELASTIC_NODE_STORE", "relaunch": "ELASTIC_RELAUNCH", "on_nonfinite": "ELASTIC_ON_NONFINITE",
+    "straggler_factor": "ELASTIC_STRAGGLER_FACTOR", "straggler_steps": "ELASTIC_STRAGGLER_STEPS",
 }
+NONFINITE = ("rollback", "skip", "stop")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _PARSE: dict[str, Callable[[str], Any]] = {
     "spares": int, "rebuild": _modes, "min_size": int, "multiple_of": int, "cost_model": _flag,
@@ -184,12 +200,14 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "domains": lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), "hang_timeout": float,
     "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
     "log_level": lambda t: t.strip().upper(), "progress_every": int, "progress_seconds": float,
-    "node_store": lambda t: t or None, "relaunch": _relaunch,
+    "node_store": lambda t: t or None, "relaunch": _relaunch, "on_nonfinite": lambda t: t.strip().lower(),
+    "straggler_factor": float, "straggler_steps": int,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",
     "max_failures": "takes integers >= 0", "cost_model": "give 1 or 0", "require_ulfm": "give 1 or 0",
     "spawn_seconds": "takes seconds >= 0", "hang_timeout": "takes seconds >= 0 (0 turns it off)",
     "progress_timeout": "takes seconds >= 0 (0 turns it off)", "term_grace": "takes seconds >= 0",
-    "progress_every": "takes steps >= 0 (0: not by steps)", "progress_seconds": "takes seconds >= 0 (0: not by time)",
+    "progress_every": "takes steps >= 0 (0: not by steps)", "straggler_factor": "takes a factor > 1, or 0 for off",
+    "straggler_steps": "takes steps >= 1", "progress_seconds": "takes seconds >= 0 (0: not by time)",
 }

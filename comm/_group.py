@@ -14,13 +14,14 @@ rest of the configuration stay behind it: of the settings, the layers above see
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Protocol
 
 import numpy as np
 
 from ._config import Config
 from ._errors import Unrecoverable, agreed
 from ._ranks import CurrentRank, LogicalRank, Role
+from .faults import Injection
 
 if TYPE_CHECKING:
     from ._rebuild import Rebuild
@@ -36,11 +37,17 @@ class Settings:
     node_store: str = ""               # the store keeps its versions in node memory here (tier 2; "": off)
     domains: tuple[str, ...] = ()      # failure domain of each logical rank (round robin) instead of the hosts
     faults_scheduled: bool = False     # a fault schedule is set: fault points inside torch's collectives too
+    on_nonfinite: str = "rollback"     # a NaN / Inf at a recovery point: rollback, skip or stop (``elastic.run``)
+    straggler_factor: float = 0.0      # evict a rank this many times slower than the median (0: never) ...
+    straggler_steps: int = 5           # ... for this many steps in a row
+    rebuild: tuple[str, ...] = ("spare", "shrink")  # the rebuild modes allowed, and ...
+    min_size: int = 1                  # ... the fewest ranks a shrink may leave (may a straggler go without a spare?)
 
     @classmethod
     def of(cls, config: Config) -> Settings:
         return cls(config.max_failures, config.progress_every, config.progress_seconds, config.node_store or "",
-                   config.domains, bool(config.inject))
+                   config.domains, bool(config.inject), config.on_nonfinite, config.straggler_factor,
+                   config.straggler_steps, config.rebuild, config.min_size)
 
 
 class EventSink(Protocol):
@@ -68,7 +75,13 @@ class Job(Protocol):
     @property
     def collectives(self) -> int: ...
     @property
+    def waited(self) -> float: ...
+    @property
+    def spares(self) -> int: ...
+    def data_fault(self, action: str) -> Injection | None: ...
+    @property
     def ended(self) -> bool: ...
+    def fail(self, kind: str, message: str) -> NoReturn: ...
 
 
 class Group(Protocol):

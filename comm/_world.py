@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, TypeVar, cast
 
 import numpy as np
@@ -31,7 +32,7 @@ from ._config import Config
 from ._group import Settings, first_survivor
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from .events import EventLog
-from .faults import FaultInjector, Injection
+from .faults import DATA_ACTIONS, FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members
 from ._policy import Outlook, RebuildPolicy
@@ -54,6 +55,7 @@ class World:
         self._settings = Settings.of(config)  # what the layers above act on
         self._step = step                     # the loop's last step, as told by fault_point / progress
         self._collectives = 0                 # calls on the active ranks so far (guarded MPI calls)
+        self._waited = 0.0                    # seconds spent in those calls (waiting for peers, mostly)
         self._own_step_points = False         # the program calls fault_point(step) itself
         # A replacement (spawned or relaunched) exists because of a failure.
         self._failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
@@ -260,8 +262,12 @@ class World:
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
         self._collectives += 1
-        with self._watchdog.waiting(), mpi_errors(self._comm):
-            yield
+        start = time.perf_counter()
+        try:
+            with self._watchdog.waiting(), mpi_errors(self._comm):
+                yield
+        finally:
+            self._waited += time.perf_counter() - start
 
     def _progress(self, step: int | None = None) -> None:
         """Tell the watchdog that the loop moved on (local, cheap); ``step``: where it is now."""
@@ -356,6 +362,8 @@ class World:
 
     def _announce_fault(self, entry: Injection) -> None:
         self.events.emit("inject", **entry.to_dict())
+        if entry.action in DATA_ACTIONS:  # nothing ends here: what the layers above make of it is the outcome
+            return
         self.events.write_outcome(f"injected-{entry.action}", injection=entry.to_dict(), step=self._step)
         self._lifecycle.injected()
 
@@ -411,6 +419,17 @@ class WorldJob:
     def spares(self) -> int:
         """How many spares are parked right now."""
         return self._world._members.spares()
+
+    @property
+    def waited(self) -> float:
+        """Seconds this process has spent in calls on the active ranks (collectives, data plane):
+        a step's time less what it waited is its own work (the straggler detector's measure)."""
+        return self._world._waited
+
+    def data_fault(self, action: str) -> Injection | None:
+        """An injected data fault (``nan``, ``bitflip``, ``slow``) armed for this process, if any
+        (local; see ``elastic.comm.faults``): the layers above apply it."""
+        return self._world._faults.data_fault(action)
 
     @property
     def first_survivor(self) -> CurrentRank:

@@ -53,6 +53,11 @@ EVENTS: dict[str, str] = {
     # the layers above
     "step": "one training step (loss, seconds, samples)", "process_group": "torch.distributed was (re)built",
     "stage_rebuilt": "a pipeline stage came back (replica, CheckFree, CheckFree+)",
+    # integrity and stragglers
+    "integrity": "the gate kept a version from becoming current: nonfinite, fenced ranks, or no_majority",
+    "rolled_back": "every rank went back to the last good version after a non-finite value (step dropped or not)",
+    "straggler": "a rank slower than the median for steps in a row: by how much, evicted or not",
+    "bitflip": "an injected corruption flipped a bit of this rank's value",
 }
 
 __all__ = ["EVENTS", "EventLog", "read_events", "read_outcomes", "read_result", "read_fates", "describe_end",

@@ -49,7 +49,8 @@ __all__ = ["Injection", "InjectedFault", "parse_schedule", "POINTS", "ACTIONS", 
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
-ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow")
+DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
 STEP_POINTS = ("step", "collective", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
@@ -66,6 +67,8 @@ class Injection:
     point: str = "step"
     action: str = "kill"
     gen: int = 0
+    factor: float = 0.0  # ``slow``: how many times slower
+
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -76,6 +79,12 @@ class Injection:
             raise ConfigError(f"fault injection at point {self.point!r} needs a step")
         if self.rank < 0:
             raise ConfigError(f"fault injection rank {self.rank}: ranks count from 0")
+        if self.action == "slow" and not self.factor > 1:
+            raise ConfigError(f"fault injection 'slow' with factor {self.factor:g}: write slow=X with X > 1, "
+                              "e.g. '2@10:slow=3' (logical rank 2 runs 3 times slower from step 10)")
+        if self.action in DATA_ACTIONS and self.point != "step":
+            raise ConfigError(f"fault injection {self.action!r} at point {self.point!r}: data faults are armed at "
+                              "a step, e.g. '1@20:nan'")
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -97,7 +106,8 @@ def parse_schedule(text: str | None) -> tuple[Injection, ...]:
             raise
         raise ConfigError(
             f"cannot parse {INJECT_ENV}={text!r} ({exc}); write e.g. '1@3', '1@3,2@3', "
-            "'2@c5:hang', '3@rebuild/g1', 's0@park:hang' or a JSON list of {rank, step, point, action, gen}") from exc
+            "'2@c5:hang', '3@rebuild/g1', 's0@park:hang', '1@20:nan', '2@10:slow=3' or a JSON list of "
+            "{rank, step, point, action, gen, factor}") from exc
 
 
 def _parse_compact(item: str) -> Injection:
@@ -106,20 +116,22 @@ def _parse_compact(item: str) -> Injection:
     if "/g" in item:
         item, gen_text = item.split("/g", 1)
         gen = int(gen_text)
-    action = "kill"
+    action, factor = "kill", 0.0
     if ":" in item:
         item, action = item.split(":", 1)
+    if action.startswith("slow="):
+        action, factor = "slow", float(action[5:])
     rank_text, where = item.split("@", 1)
     if rank_text.startswith("s") != (where == "park"):
         raise ConfigError(f"fault injection {item!r}: a parked spare is named sK@park (K counts the spares), "
                           "an active rank by its logical rank")
     if where in ("agree", "rebuild", "restore", "spawn", "park", "finish"):
-        return Injection(int(rank_text.removeprefix("s")), None, where, action, gen)
+        return Injection(int(rank_text.removeprefix("s")), None, where, action, gen, factor)
     if where.startswith("commit"):
-        return Injection(int(rank_text), int(where[6:]), "commit", action, gen)
+        return Injection(int(rank_text), int(where[6:]), "commit", action, gen, factor)
     if where.startswith("c"):
-        return Injection(int(rank_text), int(where[1:]), "collective", action, gen)
-    return Injection(int(rank_text), int(where), "step", action, gen)
+        return Injection(int(rank_text), int(where[1:]), "collective", action, gen, factor)
+    return Injection(int(rank_text), int(where), "step", action, gen, factor)
 
 
 class FaultInjector:
@@ -128,6 +140,16 @@ class FaultInjector:
     def __init__(self, schedule: tuple[Injection, ...], announce: Callable[[Injection], None]) -> None:
         self.schedule = schedule
         self._announce = announce
+        self._armed: dict[str, Injection] = {}  # data faults that fired, for the layers above
+        self._spent: set[Injection] = set()     # data faults act once per process
+
+    def data_fault(self, action: str) -> Injection | None:
+        """The armed data fault ``action`` of this process, if any (local): ``nan`` and ``bitflip``
+        are taken (they act once), ``slow`` stays in force."""
+        entry = self._armed.get(action)
+        if entry is not None and action != "slow":
+            del self._armed[action]
+        return entry
 
     def wants_steps(self) -> bool:
         """Some entry fires at a step the program's loop must tell (``step``, ``collective``)."""
@@ -137,6 +159,12 @@ class FaultInjector:
         for entry in self.schedule:
             if (entry.point == point and entry.rank == logical_rank and entry.gen == generation
                     and (entry.step is None or entry.step == step)):
+                if entry.action in DATA_ACTIONS:
+                    if entry not in self._spent:  # a roll-back replays the step: it runs clean
+                        self._spent.add(entry)
+                        self._announce(entry)
+                        self._armed[entry.action] = entry
+                    continue
                 self._announce(entry)
                 if entry.action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)

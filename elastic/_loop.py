@@ -13,6 +13,7 @@ from elastic.comm import (
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
+from ._integrity import NonFinite
 from ._state import State
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,
-        on_reset: Callable[[World, Rebuild], None] | None = None) -> Any:
+        on_reset: Callable[[World, Rebuild], None] | None = None, on_nonfinite: str | None = None) -> Any:
     """Decorate ``func(world, state, ...)`` so that it survives the loss of ranks.
 
     The contract, on every active rank: *sync* (everyone starts from the same
@@ -65,15 +66,24 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
             spawned process too): rebuild what lives outside the State there (a DataLoader and
             its iterator, a logger, a learning-rate scale for the new size). ``rebuild``
             says how (``mode``, ``failed``, ``replaced``, ``removed``); ``world.size`` the new size.
+        on_nonfinite: what a NaN or an Inf at a commit does (the integrity gate, see
+            ``State.record_step``): the version is never made current, and every rank rolls back
+            to the last good one and runs the step again (``"rollback"``, the default:
+            ``ELASTIC_ON_NONFINITE``), rolls back and drops the offending step (``"skip"``: the
+            loop asks ``state.dropped``), or stops (``"stop"``). A step that is not finite again
+            after a roll-back, or more roll-backs in a row than ``max_failures``, stops the job.
+            ``on_reset`` is not called for these roll-backs: nothing was rebuilt.
 
     Raises:
         Unrecoverable: more failures than the policy or ``max_failures`` allow; the
             store's ``DataLost`` when every copy of some state died.
     """
     if func is None:
-        return functools.partial(run, max_failures=max_failures, on_reset=on_reset)
+        return functools.partial(run, max_failures=max_failures, on_reset=on_reset, on_nonfinite=on_nonfinite)
     if max_failures is not None and max_failures < 0:
         raise ConfigError(f"max_failures={max_failures}: give a whole number >= 0")
+    if on_nonfinite not in (None, "rollback", "skip", "stop"):
+        raise ConfigError(f"on_nonfinite={on_nonfinite!r}: give 'rollback', 'skip' or 'stop'")
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
@@ -98,6 +108,8 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 state.commit()
                 world.finish()
                 return result
+            except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
+                state._roll_back(exc, on_nonfinite or world.job.settings.on_nonfinite)
             except Exception as exc:
                 if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
                     raise
@@ -148,6 +160,8 @@ def allreduce_gradients(world: Group, model: Any, bucket_bytes: int = 4 << 20, s
         buckets[-1].append(p)
         size += p.grad.nbytes
     flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets if bucket]
+    if world.job.data_fault("nan") and flats:  # an injected corruption (``R@S:nan``): this rank's share
+        flats[0][0] = float("nan")
     world.allreduce([flat.numpy() for flat in flats], step=step)
     for bucket, flat in zip(buckets, flats):
         offset = 0

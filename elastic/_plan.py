@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds an active rank may go without progress (a step, a commit) before it is "
                              "killed: catches deadlocks and stuck reads (default 0 = off; set it above your "
                              "longest step)")
+    parser.add_argument("--on-nonfinite", choices=("rollback", "skip", "stop"),
+                        help="a NaN / Inf at a commit: roll back and run the step again (default), roll back and "
+                             "drop the step, or stop")
+    parser.add_argument("--straggler", metavar="FACTOR:STEPS",
+                        help="evict a rank whose own work per step is FACTOR times the median's for STEPS steps "
+                             "in a row, to a spare or by the rebuild modes, e.g. 3:5 (default: off)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed "
                         "(exit 124; default: none)")
     parser.add_argument("--grace", type=float, default=10.0,
@@ -181,8 +187,16 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
     run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     job = f"elastic-{uuid.uuid4().hex[:12]}"
+    straggler: dict[str, float | int] = {}
+    if raw.straggler:
+        try:
+            factor, _, steps = raw.straggler.partition(":")
+            straggler = {"straggler_factor": float(factor), "straggler_steps": int(steps or 5)}
+        except ValueError:
+            parser.error(f"--straggler {raw.straggler}: write FACTOR:STEPS, e.g. 3:5")
     try:
-        config = Config.from_env(spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
+        config = Config.from_env(on_nonfinite=raw.on_nonfinite, **straggler,
+                                 spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
                                  hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
                                  term_grace=raw.grace, run_dir=str(run_dir),
                                  node_store=f"/dev/shm/{job}" if relaunches else None,

@@ -32,7 +32,7 @@ from elastic.comm import (
     Settings, Unrecoverable, agreed, wire,
 )
 from elastic.comm.runtime import first_survivor, is_agreed
-from elastic.comm.faults import InjectedFault, parse_schedule
+from elastic.comm.faults import InjectedFault, Injection, parse_schedule
 from elastic.recovery import Policy
 
 T = TypeVar("T")
@@ -422,6 +422,17 @@ class _SimJobView:
     @property
     def collectives(self) -> int:
         return self._rank._collectives
+
+    @property
+    def waited(self) -> float:
+        return 0.0  # threads: no step of a simulated rank waits on another's in a way worth timing
+
+    @property
+    def spares(self) -> int:
+        return self._rank._job._fabric.spares
+
+    def data_fault(self, action: str) -> Injection | None:
+        return None  # the simulated job injects kills only
 
     def note_commit(self) -> None:
         with self._rank._job._cv:

@@ -16,15 +16,17 @@ after a shrink gives this rank handlers for the values it took over.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
+from elastic.comm import ConfigError, Group, Outlook, ProcessFailure, Unrecoverable, agreed, wire
 from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum, share
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
+from ._integrity import NonFinite, Stragglers, nonfinite_values, verdict
 
 _LOG = logging.getLogger("elastic")
 INDEX = "__handlers__"  # a committed JSON document: each value's name and its handler's label
@@ -45,16 +47,25 @@ class StepClock:
     def __init__(self, world: Group) -> None:
         self._world = world
         self._last: float | None = None
+        self._waited = 0.0  # the world's waiting at the last step's end
         self._shown = time.monotonic()
         self.outlook = Outlook()
 
     def restart(self) -> None:
-        self._last = time.perf_counter()
+        self._last, self._waited = time.perf_counter(), self._world.job.waited
 
-    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
+    def own_work(self) -> float:
+        """Seconds of this step so far that this rank did not spend waiting for its peers (local)."""
+        if self._last is None:
+            return 0.0
+        return max(time.perf_counter() - self._last - (self._world.job.waited - self._waited), 0.0)
+
+    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> float:
+        """Returns the step's own work (``own_work``)."""
+        own = self.own_work()
         now = time.perf_counter()
         seconds = now - self._last if self._last is not None else 0.0
-        self._last = now
+        self._last, self._waited = now, self._world.job.waited
         before = self.outlook.step_seconds
         self.outlook = Outlook(seconds if before is None else 0.8 * before + 0.2 * seconds,
                                max(total - step, 0) if total is not None else self.outlook.remaining_steps)
@@ -67,6 +78,7 @@ class StepClock:
                 rate = 1 / max(self.outlook.step_seconds or 0.0, 1e-9)
                 _LOG.info("[train] step %s%s%s  %.1f steps/s  %d ranks  generation %d", step, of, shown, rate,
                           world.size, world.generation)
+        return own
 
     def _due(self, step: int, total: int | None) -> bool:
         config, now = self._world.job.settings, time.monotonic()
@@ -115,6 +127,15 @@ class State:
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world)
+        # The integrity gate (``_gate``): the first step since the last commit whose loss or gradient
+        # norm was not finite, the steps dropped for it (on_nonfinite="skip"), roll-backs in a row.
+        self._seen: tuple[int, str] | None = None
+        self._dropped: set[int] = set()
+        self._rollbacks: list[int | None] = []
+        settings = world.job.settings
+        self._stragglers = Stragglers(settings.straggler_factor, settings.straggler_steps) \
+            if settings.straggler_factor else None
+        self._slept = 0.0  # an injected slowness's sleep in this step so far
         for name, value in values.items():
             self[name] = value
 
@@ -178,12 +199,13 @@ class State:
             ProcessFailure: a rank died; the last version stays current everywhere.
         """
         arrays = self._capture()
-        self._check_shared(arrays)
+        self._gate(arrays)
         shared = [name for name in arrays if not self._is_local(name)]
         if self._per_step:  # the live values are their recovery point
             arrays, shared = {name: a for name, a in arrays.items() if self._is_local(name)}, []
         self._store.commit(arrays, self._next_version(), unreplicated=shared)  # in the own payload only
         self._holds_shared, self._in_step = True, False
+        self._seen, self._rollbacks = None, []
 
     def step_point(self) -> None:
         """The recovery point of the step in flight (collective over the active ranks); with
@@ -227,6 +249,7 @@ class State:
                 self._apply(self._store.restore_owner(owner), adopting=True)
         own = self._store.restore()
         self._apply(own)
+        self._seen = None  # the steps it saw are undone
         if not self._per_step:
             # The shared values roll back from the own payload, which lacks them on a replacement that
             # has not committed since it joined: it must get them again (``_share``), not keep its live
@@ -242,7 +265,9 @@ class State:
         After a recovery: checks that every rank restored the same version.
         """
         world = self._world
-        versions = world.allgather(self.version)
+        told = world.allgather((self.version, sorted(self._dropped)))
+        versions = [version for version, _ in told]
+        self._dropped.update(int(step) for _, dropped in told for step in dropped)  # a replacement learns them
         if len(set(versions)) != 1:
             raise agreed(Unrecoverable(f"ranks restored different versions {versions}: the store's agreement broke "
                                        "(a bug, please report it)"))
@@ -255,11 +280,23 @@ class State:
             self.commit()
         self._clock.restart()
 
-    def record_step(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
-        """Note that a training step finished (local); see ``StepClock.step_done``. ``loss`` is
-        recorded as given, from rank 0: pass the global loss (reduce the ranks' shares first).
-        ``step``: the steps done, so the loop is now at step ``step``: the point where the fault
-        schedule's ``R@step`` entries fire, unless the program calls ``world.fault_point`` itself."""
+    def record_step(self, step: int, loss: float | None = None, total: int | None = None, *,
+                    grad_norm: float | None = None, **metrics: Any) -> None:
+        """Note that a training step finished (local; collective with straggler detection on, see
+        below); see ``StepClock.step_done``. ``loss`` is recorded as given, from rank 0: pass the
+        global loss (reduce the ranks' shares first). ``step``: the steps done, so the loop is now at
+        step ``step``: the point where the fault schedule's ``R@step`` entries fire, unless the
+        program calls ``world.fault_point`` itself.
+
+        The integrity gate: a ``loss`` or ``grad_norm`` (the gradients' global norm, as
+        ``clip_grad_norm_`` returns it) that is NaN or Inf keeps the next commit from becoming
+        current (``elastic.run`` then rolls back, see ``on_nonfinite``). Pass ``grad_norm``: bad
+        gradients show in it at the step that made them, in the loss only a step later.
+
+        With ``ELASTIC_STRAGGLER_FACTOR`` set, every rank's own work in the step (its time less
+        what it waited for its peers) is gathered here (one small all-gather), and a rank that
+        many times slower than the median for ``ELASTIC_STRAGGLER_STEPS`` steps in a row is
+        evicted like a failed rank: call it on every rank then."""
         if self._in_step and self._world.job.collectives != self._calls_at_point:
             raise agreed(ConfigError(  # every rank runs the same code: every rank stops here alike
                 "per_step: a collective ran between the step point (optimizer.step()) and record_step(); a "
@@ -267,8 +304,72 @@ class State:
                 "(the loss all-reduce, logging) before optimizer.step(), or after record_step(), or use "
                 "per_step=False"))
         self._in_step = False
-        self._world.fault_point(step, implied=True)
-        self._clock.step_done(step, loss, total, **metrics)
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if value is not None and self._seen is None and not math.isfinite(value):
+                self._seen = (step, what)
+        world = self._world
+        world.fault_point(step, implied=True)
+        if world.job.data_fault("bitflip"):
+            self._flip_a_bit(step)
+        slow = world.job.data_fault("slow")
+        if slow:  # an injected straggler: X times this step's own work in all
+            time.sleep((slow.factor - 1) * self._clock.own_work())
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        own = self._clock.step_done(step, loss, total, **metrics)
+        if self._stragglers is not None:
+            self._watch_stragglers(step, own)
+
+    def dropped(self, step: int) -> bool:
+        """True when the integrity gate dropped the step that ends at ``step`` (the number
+        ``record_step`` gets for it), with ``on_nonfinite="skip"`` (local). A loop that allows
+        skipping asks at its top, ``if state.dropped(state.step + 1): state.step += 1; continue``:
+        the step's batch is not used, nothing is computed or drawn from an RNG."""
+        return step in self._dropped
+
+    def _watch_stragglers(self, step: int, own: float) -> None:
+        """Gather every rank's own work of this step; evict a straggler when the detector says so
+        and the job can fill its place (collective; the same decision on every rank)."""
+        assert self._stragglers is not None
+        world = self._world
+        ranks = [int(r) for r in world.logical_ranks]
+        found = self._stragglers.observe(world.generation, ranks, world.allgather(float(own)))
+        if found is None:
+            return
+        rank, ratio, median = found
+        settings = world.job.settings
+        fill = world.job.spares > 0 or "spawn" in settings.rebuild or \
+            ("shrink" in settings.rebuild and world.size - 1 >= settings.min_size)
+        why = (f"logical rank {rank} is a straggler: its own work per step was {ratio:.1f}x the median "
+               f"({median * 1e3:.1f} ms) for {self._stragglers.steps} steps in a row (factor "
+               f"{self._stragglers.factor:g})")
+        world.events.emit("straggler", rank=rank, ratio=ratio, median_seconds=median, steps=self._stragglers.steps,
+                          step=step, evicted=fill)
+        if not fill:  # said once per streak: the streak starts again
+            self._stragglers.reset()
+            _LOG.warning("[integrity] %s; not evicted: no spare is parked and the rebuild modes %s allow no "
+                         "replacement", why, "/".join(settings.rebuild))
+            return
+        if rank == int(world.logical_rank):
+            world.job.fail("straggler", why + ": evicted")
+        raise ProcessFailure(why + ": evicted")
+
+    def _flip_a_bit(self, step: int) -> None:
+        """An injected silent corruption: one bit of this rank's first shared floating array (a
+        model's, where there is one), flipped in the live value (local)."""
+        for name in sorted(self._handlers):
+            handler = self._handlers[name]
+            if self._is_local(name) or name == INDEX:
+                continue
+            arrays = {k: np.array(a) for k, a in handler.capture(name).items()}
+            key = next((k for k in sorted(arrays) if arrays[k].dtype.kind == "f" and arrays[k].ndim), None)
+            if key is None:
+                continue
+            bits = arrays[key].reshape(-1).view(np.uint8)
+            bits[1] ^= 0x10  # a low mantissa bit of the first element: finite, small, silent
+            handler.apply(name, arrays)
+            self._world.events.emit("bitflip", value=key, step=step)
+            return
 
     # ------------------------------------------------------------ internals
     def _recover(self) -> None:
@@ -349,30 +450,85 @@ class State:
             groups.setdefault(name, {})[key] = array
         return groups
 
-    def _fingerprints(self, arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    def _fingerprints(self, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
         """Each shared value's dtype, shape and checksum (local; XXH3, 4-5 GB/s per rank here)."""
-        return {name: (a.dtype.str, a.shape, checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        return {name: f"{a.dtype.str}:{list(a.shape)}:{checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8))}"
                 for name, a in arrays.items() if not self._is_local(name)}
 
-    def _check_shared(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Raise the same ConfigError on every rank when a value that must be equal differs (collective)."""
+    def _gate(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The integrity gate before a version becomes current (collective: the commit's one exchange
+        of fingerprints). Every rank reads the same documents to the same ``Verdict``: a NaN / Inf
+        raises ``NonFinite`` everywhere (``elastic.run`` rolls back); ranks whose shared values
+        differ from a strict majority's are fenced (they fail, the others recover and roll back, a
+        replacement gets the majority's values); with no majority, ``CommitRejected`` everywhere.
+        Cost: the fingerprints (XXH3) and the non-finite scan, ~4 ms each per 128 MB here."""
         world = self._world
-        everyone = world.allgather(self._fingerprints(arrays))
+        document = {"sums": self._fingerprints(arrays), "seen": list(self._seen) if self._seen else None,
+                    "values": nonfinite_values({n: a for n, a in arrays.items() if n != INDEX})}
+        everyone = world.allgather(document)
         ranks = [int(r) for r in world.logical_ranks]
+        found = verdict(everyone, ranks)
+        if found.good:
+            return
+        version = self._next_version()
+        if found.nonfinite:
+            what = (f"a non-finite {found.nonfinite_what} at step {found.nonfinite_step}"
+                    if found.nonfinite_step is not None else "no non-finite loss or gradient norm was recorded")
+            values = f"; committed values holding NaN/Inf: {list(found.nonfinite_values)[:5]}" \
+                if found.nonfinite_values else ""
+            world.events.emit("integrity", verdict="nonfinite", version=version, step=found.nonfinite_step,
+                              what=found.nonfinite_what, values=list(found.nonfinite_values))
+            raise agreed(NonFinite(f"version {version} not committed: {what}{values}", found.nonfinite_step,
+                                   found.nonfinite_values), final=False)
+        if found.fenced:
+            listed = "; ".join(f"logical rank {r}: {list(names)[:5]}" for r, names in found.differ.items())
+            why = (f"integrity: values that must be equal differ from the majority's ({len(ranks) - len(found.fenced)} "
+                   f"of {len(ranks)} ranks) on {listed}; fenced before version {version}")
+            world.events.emit("integrity", verdict="fenced", version=version, ranks=list(found.fenced),
+                              values={str(r): list(n) for r, n in found.differ.items()})
+            if int(world.logical_rank) in found.fenced:
+                world.job.fail("integrity", why)
+            raise ProcessFailure(why)
+        world.events.emit("integrity", verdict="no_majority", version=version, values=list(found.no_majority))
         bad: dict[str, list[int]] = {}
-        for name in sorted(set().union(*everyone)):
-            first = everyone[0].get(name)
-            for rank, sums_of in zip(ranks, everyone):
-                if sums_of.get(name) != first:
-                    bad.setdefault(name, []).append(rank)
-        if bad:
-            listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
-                               for n, r in list(bad.items())[:5])
-            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise agreed(CommitRejected(
-                f"commit rejected, the last version is kept: state that must be equal across ranks differs: "
-                f"{listed}{more}. Keep replicas in step (same seed, same all-reduced gradients), or name per-rank "
-                "values in local=(...)"), final=False)
+        for name in found.no_majority:
+            first = everyone[0]["sums"].get(name)
+            bad[name] = [r for r, doc in zip(ranks, everyone) if doc["sums"].get(name) != first]
+        listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
+                           for n, r in list(bad.items())[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise agreed(CommitRejected(
+            f"commit rejected, the last version is kept: state that must be equal across ranks differs: "
+            f"{listed}{more}, and no majority of the {len(ranks)} ranks agrees on it (a rank that differs from a "
+            "majority of 3 or more is replaced instead). Keep replicas in step (same seed, same all-reduced "
+            "gradients), or name per-rank values in local=(...)"), final=False)
+
+    def _roll_back(self, error: NonFinite, mode: str) -> None:
+        """After ``NonFinite`` (agreed): roll every rank back to the last good version, dropping the
+        offending step with ``skip``; stop when that cannot help (local; the same on every rank)."""
+        world = self._world
+        step = error.step
+        again = step in self._rollbacks
+        if mode == "stop" or again or len(self._rollbacks) >= world.job.settings.max_failures:
+            if mode == "stop":
+                advice = "on_nonfinite='stop'"
+            elif mode == "skip" and step in self._dropped:
+                advice = (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of "
+                          "the loop and skip the step when it says so")
+            elif again:
+                advice = (f"step {step} was not finite again after a roll-back: the cause is not transient (data, "
+                          "learning rate); on_nonfinite='skip' drops the step")
+            else:
+                advice = f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
+            raise agreed(Unrecoverable(f"{error} ({advice})"))
+        self._rollbacks.append(step)
+        if mode == "skip" and step is not None:
+            self._dropped.add(step)
+        self.restore()
+        world.events.emit("rolled_back", version=self.version, step=step, dropped=mode == "skip" and step is not None,
+                          values=error.values)
+        _LOG.warning("[integrity] %s: rolled back to version %s%s", error, self.version,
+                     f", step {step} dropped" if mode == "skip" and step is not None else "")
 
 
 class TorchState(State):

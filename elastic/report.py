@@ -14,6 +14,10 @@ Per failure (one row per rebuild generation), in milliseconds:
 plus the steps redone (lost since the last commit) and the bytes moved; below
 the table, per failure: the policy's reason, what died, and how each lost pipeline
 stage came back (``stage_rebuilt``: from a twin, the store, by CheckFree(+), a replica).
+Then the integrity gate's verdicts and the stragglers, in the order they came: a version kept
+from becoming current by a NaN / Inf (and the roll-back, with the step dropped or run again), a
+rank fenced for values that differ from the majority's, no majority (the job stopped), a rank
+evicted (or not) for being slow, by how much.
 ETTR (effective training time ratio) = time spent in training steps that
 count toward the final model / wall time from start to finish.
 
@@ -111,6 +115,38 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
+def integrity(events: list[dict]) -> list[str]:
+    """The gate's verdicts and the stragglers found, one line each, in time order (every rank
+    writes the same verdict: the first rank's is told)."""
+    seen: set[tuple] = set()
+    lines = []
+    for e in sorted((e for e in events if e["event"] in ("integrity", "rolled_back", "straggler")),
+                    key=lambda e: e["t"]):
+        key = (e["event"], e.get("gen"), e.get("version"), e.get("step"), e.get("rank"))
+        if key in seen:
+            continue
+        seen.add(key)
+        if e["event"] == "rolled_back":
+            lines.append(f"  rolled back to version {e['version']}" +
+                         (f", step {e['step']} dropped" if e["dropped"] else
+                          f", step {e['step']} to run again" if e["step"] is not None else ""))
+        elif e["event"] == "straggler":
+            lines.append(f"  step {e['step']}: logical rank {e['rank']} a straggler, {e['ratio']:.1f}x the median "
+                         f"step ({e['median_seconds'] * 1e3:.1f} ms) for {e['steps']} steps: " +
+                         ("evicted" if e["evicted"] else "not evicted (no spare, no replacement allowed)"))
+        elif e["verdict"] == "nonfinite":
+            what = f"a non-finite {e['what']} at step {e['step']}" if e["step"] is not None else "non-finite values"
+            values = f" ({', '.join(e['values'][:3])})" if e["values"] else ""
+            lines.append(f"  version {e['version']} not committed: {what}{values}")
+        elif e["verdict"] == "fenced":
+            differ = "; ".join(f"logical rank {r}: {', '.join(v[:3])}" for r, v in e["values"].items())
+            lines.append(f"  version {e['version']} not committed: fenced, differing from the majority ({differ})")
+        else:
+            lines.append(f"  version {e['version']} refused: {', '.join(e['values'][:3])} differ and no majority "
+                         "agrees: the job stops")
+    return lines
+
+
 def _relaunch_reason(rebuilt: dict) -> str:
     lost = ", ".join(rebuilt.get("lost_nodes") or []) or "none named"
     moved = [f"{what} {ranks}" for what, ranks in (("on spare nodes:", rebuilt["replaced"]),
@@ -195,6 +231,9 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
         lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
                      + (f"; died: {causes}" if causes else "") + (f"; rebuilt {stages}" if stages else "")
                      + interrupted)
+    checks = integrity(events)
+    if checks:
+        lines += ["integrity and stragglers:"] + checks
     steps = final_steps(events)
     if steps:
         last = steps[max(steps)]

@@ -165,16 +165,21 @@ def main() -> int:
     @elastic.run(on_reset=on_reset)
     def train(world: elastic.World, state: elastic.TorchState) -> float:
         while state.step < args.steps:
+            if state.dropped(state.step + 1):  # a NaN / Inf there, dropped (ELASTIC_ON_NONFINITE=skip)
+                state.step += 1
+                continue
             world.fault_point(state.step)
             optimizer.zero_grad()
             loss, samples = local_loss(world, model, x, y, batches, state.step, args)
+            # The gradients' global norm for the integrity gate (clip_grad_norm_ returns the same).
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             if args.lr_step:
                 state.scheduler.step()
             state.step += 1
             state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
-            state.record_step(state.step, loss, total=args.steps, samples=samples, lr=lr)
+            state.record_step(state.step, loss, total=args.steps, grad_norm=grad_norm, samples=samples, lr=lr)
             if state.step % args.commit_every == 0:
                 state.commit()
         return state.loss

@@ -18,7 +18,13 @@ the other replica carries the batch, loss within 1e-4; when both replicas in use
 of a stage die together the job must stop on every rank with ``Unrecoverable``, as
 ``plan_mesh_recovery`` says for the victims of one rebuild). ``--collective-kills``:
 every run instead SIGKILLs one random rank at a random step inside that step's
-first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise:
+first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise.
+``--data-faults``: more than half of the runs also get, before the kills, a data fault on a third
+rank: a NaN in its gradients (``nan``: the gate keeps the version from becoming current, every rank
+rolls back and runs the step again), a flipped bit in its model (``bitflip``: fenced at the next
+commit, replaced like a dead rank) or an 8x slowdown (``slow=8``, with ``--straggler 3:3``: evicted
+after 3 steps). The expected outcome is the same as for the kills (a fenced or evicted rank is one
+more victim; a spare more is parked for it):
 
 * finished, with a spare or a spawned process: model and optimizer bitwise the
   failure-free run's; after a shrink: the loss within 1e-5 (relative);
@@ -64,11 +70,27 @@ class Scenario:
     replication: int
     inject: str
     stall: bool = False
+    straggler: bool = False
 
     def args(self) -> list[str]:
         out = ["--rebuild", self.rebuild, "--spares", str(self.spares), "--inject", self.inject,
                "--hang-timeout", str(HANG_TIMEOUT)]
+        out += ["--straggler", "3:3"] if self.straggler else []
         return out + (["--progress-timeout", str(PROGRESS_TIMEOUT)] if self.stall else [])
+
+
+def with_data_fault(rng: random.Random, scenario: Scenario) -> Scenario:
+    """The scenario with, more often than not, a data fault first, on a rank no kill names."""
+    if rng.random() >= 0.6:
+        return scenario
+    named = {int(e.split("@")[0]) for e in scenario.inject.split(",") if not e.startswith("s")}
+    rank = rng.choice([r for r in range(RANKS) if r not in named])
+    kind = rng.choice(("nan", "bitflip", "slow=8"))
+    entry = f"{rank}@{rng.randrange(2, 5)}:{kind}"
+    victim = kind != "nan"  # fenced or evicted: a rank to replace, like a dead one
+    spares = scenario.spares + (1 if victim and scenario.mode in ("spare", "mixed") else 0)
+    return dataclasses.replace(scenario, inject=f"{entry},{scenario.inject}", spares=spares,
+                               straggler=kind.startswith("slow"))
 
 
 def draw(rng: random.Random) -> Scenario:
@@ -194,7 +216,8 @@ def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
     a later generation than theirs, and a chunk is lost when its owner died without its state
     having been recovered since, and every holder of a copy is in the owner's group."""
     events = read_events(run_dir)
-    fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park"), key=lambda e: e["t"])
+    fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park" and e["action"] != "nan"),
+                   key=lambda e: e["t"])  # a NaN kills nobody: every rank rolls back
     commits = [(e["t"], e["gen"]) for e in events if e["event"] == "committed"]
     recovered = [(e["t"], set(e["dead"])) for e in events if e["event"] == "store_recovered"]
     groups: list[list[dict]] = []
@@ -283,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="train / ddp with every optimizer step a recovery point (TorchState(per_step=True))")
     parser.add_argument("--collective-kills", action="store_true",
                         help="every run: a SIGKILL inside a random step's first reduction, a spare, bitwise")
+    parser.add_argument("--data-faults", action="store_true",
+                        help="most runs also get a NaN, a bit flip or a slow rank before the kills (train only)")
     args = parser.parse_args(argv)
+    if args.data_faults and (args.program != "train" or args.collective_kills):
+        parser.error("--data-faults: with --program train (the example that reports its gradients' norm)")
     if args.per_step and args.program == "fsdp":
         parser.error("--per-step: train or ddp (fsdp.py recovers through DCP checkpoints, committed every few steps)")
     if args.program == "hybrid" and (args.per_step or args.collective_kills):
@@ -301,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.runs):
         scenario = draw_hybrid(rng) if args.program == "hybrid" else \
             draw_collective_kill(rng) if args.collective_kills else draw(rng)
+        if args.data_faults:
+            scenario = with_data_fault(rng, scenario)
         ref = reference(program, scenario.replication, work, refs)
         run_dir = work / f"run-{i}"
         rc, out, seconds = launch(scenario.args(), program + _replication(program, scenario.replication),
@@ -316,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{i:>4} {scenario.mode:>6} r{scenario.replication} {scenario.inject:<34} rc {rc:>3} "
+            print(f"{i:>4} {scenario.mode:>6} r{scenario.replication} {scenario.inject:<44} rc {rc:>3} "
                   f"{seconds:6.1f} s  {verdict}: {detail}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("correct", "clear error", "hang", "mismatch")}

@@ -307,18 +307,6 @@ def test_losing_every_process_that_held_the_state_is_data_lost_not_a_fresh_start
     assert not job.has_result and "every chunk" in errors[0]["message"]
 
 
-def test_a_refused_commit_with_a_parked_spare_stops_every_process(tmp_path):
-    """State that differs across ranks: the commit is refused with one message on every rank, the
-    parked spare is released, nobody is killed."""
-    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("diverge", rank=2, step=7))
-    assert job.rc == 1, job.output
-    assert job.statuses() == ["error"] * 4 + ["spare-unused"]
-    assert not any(f["end"] != "exited" for f in job.fates)  # nobody was killed: they left together
-    (message,) = {o["message"] for o in job.outcomes if o["status"] == "error"}
-    assert "'model.0.weight' on logical ranks [2] differs" in message and "last version is kept" in message
-    assert not job.has_result
-
-
 def test_the_same_error_at_the_same_step_twice_stops_the_job(tmp_path):
     job = launch(tmp_path, 4, "--spares", "2", program=FAULTY, env=fault("raise", always=True))
     assert job.rc == 1, job.output

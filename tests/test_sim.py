@@ -244,24 +244,45 @@ def test_a_loss_the_policy_cannot_fill_stops_every_rank_naming_why():
     assert not job.of("finished")
 
 
-def test_state_that_differs_across_ranks_is_refused_on_every_rank_and_the_last_version_kept():
+def _drifting(rank: int):
+    """Logical ``rank`` drifts from the others at step 5, in the first generation only (a transient
+    corruption of its copy of a value every rank must hold alike)."""
     def main(world):
         state = elastic.State(world, w=np.zeros(4), step=0)
 
         @elastic.run
         def train(world, state):
             while state.step < STEPS:
-                drift = 1e-9 if int(world.logical_rank) == 2 and state.step == 5 else 0.0
+                drift = 1e-9 if int(world.logical_rank) == rank and state.step == 5 and world.generation == 0 else 0.0
                 state.w = state.w + 1 + drift
                 state.step += 1
                 state.commit()
+            return state.w.tolist()
         return train(world, state)
-    job = SimJob(4)
-    with pytest.raises(elastic.ConfigError, match=r"'w' on logical ranks \[2\] differs") as refused:
-        job.run(main)
-    assert "last version is kept" in str(refused.value) and not job.of("finished")
-    committed = {r: [e["version"] for e in job.of("committed") if e["logical"] == r] for r in range(4)}
-    assert committed == {r: [0, 1, 2, 3, 4, 5] for r in range(4)}  # step 6's, refused, replaced nothing anywhere
+    return main
+
+
+def test_state_that_differs_across_two_ranks_is_refused_on_every_rank_and_the_last_version_kept():
+    # Two ranks: no majority can say which copy is right.
+    job = SimJob(2)
+    with pytest.raises(elastic.ConfigError, match=r"'w' on logical ranks \[1\] differs") as refused:
+        job.run(_drifting(1))
+    assert "last version is kept" in str(refused.value) and "no majority of the 2 ranks" in str(refused.value)
+    assert not job.of("finished")
+    assert [e["verdict"] for e in job.of("integrity")] == ["no_majority"] * 2
+    committed = {r: [e["version"] for e in job.of("committed") if e["logical"] == r] for r in range(2)}
+    assert committed == {r: [0, 1, 2, 3, 4, 5] for r in range(2)}  # step 6's, refused, replaced nothing anywhere
+
+
+def test_a_rank_that_differs_from_the_majority_is_fenced_and_replaced_by_the_spare():
+    job = SimJob(4, spares=1)
+    results = job.run(_drifting(2))
+    assert results == {r: [float(STEPS)] * 4 for r in range(4)}  # the drift never reached the end
+    verdicts = job.of("integrity")
+    assert {e["verdict"] for e in verdicts} == {"fenced"} and {tuple(e["ranks"]) for e in verdicts} == {(2,)}
+    assert {tuple(e["values"]["2"]) for e in verdicts} == {("w",)}
+    (rebuilt,) = {(e["mode"], tuple(e["failed"])) for e in job.of("rebuilt")}
+    assert rebuilt == ("spare", (2,))
 
 
 # ------------------------------------------------------------------ shared values and per-step points

@@ -1,0 +1,150 @@
+"""Silent corruption and slow ranks (issue 29): the integrity gate at every commit, the roll-back
+or the fence it leads to, and straggler eviction.
+
+The gate's logic and the detector are tested in process; the rest under ``mpiexec --with-ft ulfm``
+with injected data faults (``R@S:nan``, ``R@S:bitflip``, ``R@S:slow=X``): the recovered run is held
+to the failure-free run bit for bit (with ``skip``, to a failure-free run that drops the same step).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_bitwise, launch
+from elastic._integrity import Stragglers, nonfinite_values, verdict
+from elastic.report import format_report
+
+TRAIN = ("examples/train.py",)
+DROP = ("tests/programs/drop_step.py",)
+
+
+# ------------------------------------------------------------------ in process
+def _doc(sums: dict[str, str], seen=None, values=()) -> dict:
+    return {"sums": sums, "seen": seen, "values": list(values)}
+
+
+def test_the_gate_fences_the_rank_that_differs_from_a_strict_majority():
+    good, bad = {"w": "f4:[3]:1", "b": "f4:[1]:2"}, {"w": "f4:[3]:9", "b": "f4:[1]:2"}
+    found = verdict([_doc(good), _doc(good), _doc(bad), _doc(good)], [0, 1, 2, 3])
+    assert found.fenced == (2,) and dict(found.differ) == {2: ("w",)} and not found.nonfinite
+    # The majority need not include rank 0, and values may be missing on the odd rank.
+    found = verdict([_doc({"w": "x"}), _doc(good), _doc(good)], [0, 1, 2])
+    assert found.fenced == (0,) and dict(found.differ) == {0: ("b", "w")}
+    assert verdict([_doc(good)] * 4, [0, 1, 2, 3]).good
+
+
+@pytest.mark.parametrize("docs", [
+    [{"w": "1"}, {"w": "2"}],                             # two ranks: nobody can tell
+    [{"w": "1"}, {"w": "1"}, {"w": "2"}, {"w": "2"}],     # a tie
+    [{"w": "1"}, {"w": "2"}, {"w": "3"}],                 # all different
+])
+def test_the_gate_stops_where_no_strict_majority_agrees(docs):
+    found = verdict([_doc(d) for d in docs], list(range(len(docs))))
+    assert found.no_majority == ("w",) and not found.fenced and not found.good
+
+
+def test_a_non_finite_step_or_value_wins_over_fingerprints_and_names_the_first_step():
+    docs = [_doc({"w": "1"}, seen=[23, "loss"]), _doc({"w": "2"}, seen=[21, "grad_norm"]), _doc({"w": "1"}),
+            _doc({"w": "1"}, values=["model.0.weight"])]
+    found = verdict(docs, [0, 1, 2, 3])
+    assert (found.nonfinite_step, found.nonfinite_what) == (21, "grad_norm")
+    assert found.nonfinite_values == ("model.0.weight",)
+    assert not found.fenced  # every rank took the same update: not one rank's fault
+
+
+def test_the_non_finite_scan_names_values_and_is_not_fooled_by_an_overflowing_sum():
+    big = np.full(1000, 1e30, np.float32)  # its dot product with itself overflows to inf: finite all the same
+    arrays = {"ok": np.ones(10, np.float32), "big": big, "nan": np.array([1.0, np.nan]), "inf": np.array([-np.inf]),
+              "half": np.array([np.inf], np.float16), "ints": np.arange(3), "loss": np.array(np.nan)}
+    assert sorted(nonfinite_values(arrays)) == ["half", "inf", "nan"]  # a 0-d NaN is "none yet", not looked at
+
+
+def test_one_slow_step_is_never_a_straggler_a_streak_is():
+    detector = Stragglers(factor=2.5, steps=3)
+    fast = [1.0, 1.1, 0.9, 1.0]
+    assert detector.observe(0, [0, 1, 2, 3], [1.0, 1.0, 9.0, 1.0]) is None  # a GC pause
+    assert detector.observe(0, [0, 1, 2, 3], fast) is None                  # streak over
+    for _ in range(2):
+        assert detector.observe(0, [0, 1, 2, 3], [1.0, 1.0, 3.0, 1.0]) is None
+    rank, ratio, median = detector.observe(0, [0, 1, 2, 3], [1.0, 1.0, 3.0, 1.0])
+    assert (rank, round(ratio, 6), median) == (2, 3.0, 1.0)
+    # A new generation (the rank was replaced) starts every streak again.
+    assert detector.observe(1, [0, 1, 2, 3], [1.0, 1.0, 3.0, 1.0]) is None
+
+
+# ------------------------------------------------------------------ real processes
+def _verdicts(job) -> set[tuple]:
+    return {(e["verdict"], e.get("step"), tuple(e.get("ranks", ()))) for e in job.of("integrity")}
+
+
+@pytest.mark.fault
+def test_a_nan_is_never_committed_and_a_rollback_runs_the_step_again_bitwise(tmp_path, reference):
+    # A NaN in logical rank 1's gradients of step 21: after the all-reduce every rank's are NaN.
+    job = launch(tmp_path, 4, "--inject", "1@20:nan", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    assert _verdicts(job) == {("nonfinite", 21, ())}
+    back = job.of("rolled_back")
+    assert len(back) == 4 and {(e["version"], e["step"], e["dropped"]) for e in back} == {(4, 21, False)}
+    committed = {e["version"] for e in job.of("committed")}
+    assert len([e for e in job.of("committed") if e["version"] == 5]) == 4 and max(committed) == 13
+    assert job.statuses() == ["finished"] * 4 and not job.of("rebuilt")  # nothing died, nothing rebuilt
+    report = format_report(job.run_dir)
+    assert "version 5 not committed: a non-finite grad_norm at step 21" in report
+    assert "rolled back to version 4, step 21 to run again" in report
+
+
+@pytest.mark.fault
+def test_a_nan_with_skip_drops_exactly_that_step_bitwise(tmp_path):
+    ref = launch(tmp_path / "ref", 4, program=DROP, env={"DROP_STEP": "21"})
+    assert ref.rc == 0, ref.output
+    job = launch(tmp_path / "job", 4, "--inject", "1@20:nan", program=TRAIN, env={"ELASTIC_ON_NONFINITE": "skip"})
+    assert_bitwise(job, {"result": ref.result}, "optimizer_sha256")
+    assert {(e["version"], e["step"], e["dropped"]) for e in job.of("rolled_back")} == {(4, 21, True)}
+    back = min(e["t"] for e in job.of("rolled_back"))
+    again = {e["step"] for e in job.of("step") if e["t"] > back}  # rank 0's steps after the roll-back
+    assert 21 not in again and {22, 23} <= again  # back to version 4 (step 20), step 21 not run
+
+
+@pytest.mark.fault
+def test_a_bit_flip_on_one_of_four_ranks_is_fenced_and_the_spare_makes_it_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@12:bitflip", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    (flip,) = job.of("bitflip")
+    assert flip["logical"] == 2 and flip["value"].startswith("model.")
+    assert _verdicts(job) == {("fenced", None, (2,))}
+    assert {tuple(v) for e in job.of("integrity") for v in e["values"].values()} == {(flip["value"],)}
+    (rebuilt,) = {(e["mode"], tuple(e["failed"])) for e in job.of("rebuilt")}
+    assert rebuilt == ("spare", (2,))
+    (fenced,) = [o for o in job.outcomes if o["status"] == "failed"]
+    assert fenced["logical"] == 2 and fenced["kind"] == "integrity" and flip["value"] in fenced["message"]
+    assert f"fenced, differing from the majority (logical rank 2: {flip['value']})" in format_report(job.run_dir)
+
+
+@pytest.mark.fault
+def test_a_bit_flip_with_two_ranks_stops_every_process_naming_the_value(tmp_path):
+    """No majority to take the value from: the commit is refused with one message on every rank,
+    the parked spare is released, nobody is killed."""
+    job = launch(tmp_path, 2, "--spares", "1", "--inject", "1@12:bitflip", program=TRAIN)
+    assert job.rc == 1, job.output
+    assert job.statuses() == ["error"] * 2 + ["spare-unused"]
+    assert not any(f["end"] != "exited" for f in job.fates)  # nobody was killed: they left together
+    (message,) = {o["message"] for o in job.outcomes if o["status"] == "error"}
+    (flip,) = job.of("bitflip")
+    assert f"'{flip['value']}' on logical ranks [1] differs" in message and "last version is kept" in message
+    assert "no majority of the 2 ranks" in message and not job.has_result
+
+
+@pytest.mark.fault
+def test_a_slow_rank_is_evicted_to_the_spare_within_its_window_and_the_run_is_bitwise(tmp_path, reference):
+    # Logical 2 runs 6 times slower from step 10; evicted after 3 steps at >= 3x the median.
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@10:slow=6", program=TRAIN,
+                 env={"ELASTIC_STRAGGLER_FACTOR": "3", "ELASTIC_STRAGGLER_STEPS": "3"})
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    evicted = [e for e in job.of("straggler") if e["evicted"]]
+    assert {(e["rank"], e["step"]) for e in evicted} == {(2, 13)}, job.of("straggler")
+    assert len(evicted) == 4 and all(e["ratio"] >= 3 for e in evicted)
+    (rebuilt,) = {(e["mode"], tuple(e["failed"])) for e in job.of("rebuilt")}
+    assert rebuilt == ("spare", (2,))
+    (gone,) = [o for o in job.outcomes if o["status"] == "failed"]
+    assert gone["logical"] == 2 and gone["kind"] == "straggler" and "evicted" in gone["message"]
+    assert "step 13: logical rank 2 a straggler" in format_report(job.run_dir)
