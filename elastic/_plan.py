@@ -187,15 +187,15 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
     run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     job = f"elastic-{uuid.uuid4().hex[:12]}"
-    straggler: dict[str, float | int] = {}
+    factor, steps = None, None
     if raw.straggler:
         try:
-            factor, _, steps = raw.straggler.partition(":")
-            straggler = {"straggler_factor": float(factor), "straggler_steps": int(steps or 5)}
+            text, _, count = raw.straggler.partition(":")
+            factor, steps = float(text), int(count or 5)
         except ValueError:
             parser.error(f"--straggler {raw.straggler}: write FACTOR:STEPS, e.g. 3:5")
     try:
-        config = Config.from_env(on_nonfinite=raw.on_nonfinite, **straggler,
+        config = Config.from_env(on_nonfinite=raw.on_nonfinite, straggler_factor=factor, straggler_steps=steps,
                                  spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
                                  hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
                                  term_grace=raw.grace, run_dir=str(run_dir),

@@ -135,7 +135,6 @@ class State:
         settings = world.job.settings
         self._stragglers = Stragglers(settings.straggler_factor, settings.straggler_steps) \
             if settings.straggler_factor else None
-        self._slept = 0.0  # an injected slowness's sleep in this step so far
         for name, value in values.items():
             self[name] = value
 
@@ -362,7 +361,8 @@ class State:
             if self._is_local(name) or name == INDEX:
                 continue
             arrays = {k: np.array(a) for k, a in handler.capture(name).items()}
-            key = next((k for k in sorted(arrays) if arrays[k].dtype.kind == "f" and arrays[k].ndim), None)
+            floating = [k for k in sorted(arrays) if np.issubdtype(arrays[k].dtype, np.floating) and arrays[k].ndim]
+            key = floating[0] if floating else None
             if key is None:
                 continue
             bits = arrays[key].reshape(-1).view(np.uint8)
@@ -509,9 +509,12 @@ class State:
         world = self._world
         step = error.step
         again = step in self._rollbacks
-        if mode == "stop" or again or len(self._rollbacks) >= world.job.settings.max_failures:
+        if mode == "stop" or again or self._per_step or len(self._rollbacks) >= world.job.settings.max_failures:
             if mode == "stop":
                 advice = "on_nonfinite='stop'"
+            elif self._per_step:
+                advice = ("per_step=True keeps no copy of the values every rank holds alike to roll back to: use "
+                          "per_step=False to roll back past a non-finite step")
             elif mode == "skip" and step in self._dropped:
                 advice = (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of "
                           "the loop and skip the step when it says so")

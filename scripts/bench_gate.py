@@ -1,0 +1,90 @@
+"""What the integrity gate costs per step: its parts, timed in one process, as ratios to a step.
+
+    python scripts/bench_gate.py [--sizes 16 128 512] [--step-ms 200] [--commit-every 1 5] [--ranks 1024 16384] [--json]
+
+The gate runs inside every commit (``State._gate``). Per rank, for a state of MB megabytes of
+float32 arrays (64 tensors, a model and its Adam moments): the non-finite scan of the committed
+arrays (``nonfinite_values``: a BLAS dot per array), the fingerprints of the values every rank
+holds alike (XXH3; they were compared at every commit before the gate, and are shown for the
+whole), and per step the loss / gradient-norm checks (``record_step``). Then the verdict over
+every rank's document (each rank reads all of them: O(ranks x values)) at ``--ranks``. The
+ratio is the gate's time per step (its commit part over ``--commit-every`` steps) over a step of
+``--step-ms`` (issue 29's target: <= 1% of a 200 ms step at 128 MB per rank). Medians of 5.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic._integrity import nonfinite_values, verdict  # noqa: E402
+from elastic.recovery import checksum  # noqa: E402
+
+TENSORS = 64
+
+
+def timed(fn, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def state_of(mb: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    per = (mb << 20) // 4 // TENSORS
+    return {f"model.{i}": rng.standard_normal(per, dtype=np.float32) for i in range(TENSORS)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 128, 512], help="MB of state per rank")
+    parser.add_argument("--step-ms", type=float, default=200.0)
+    parser.add_argument("--commit-every", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    for mb in args.sizes:
+        arrays = state_of(mb)
+        scan = timed(lambda arrays=arrays: nonfinite_values(arrays))
+        sums = timed(lambda arrays=arrays: [checksum(a.view(np.uint8)) for a in arrays.values()])
+        scalars = timed(lambda: [math.isfinite(x) for x in (0.5, 1.5)], reps=101)
+        for every in args.commit_every:
+            per_step = scan / every + scalars
+            rows.append({"mb": mb, "commit_every": every, "scan_ms": scan * 1e3, "fingerprints_ms": sums * 1e3,
+                         "scan_gb_s": mb / 1024 / scan, "gate_ms_per_step": per_step * 1e3,
+                         "ratio": per_step / (args.step_ms / 1e3),
+                         "ratio_with_fingerprints": (per_step + sums / every) / (args.step_ms / 1e3)})
+    documents = {n: [{"sums": {f"model.{i}": f"<f4:[1]:{i}" for i in range(TENSORS)}, "seen": None, "values": []}
+                     for _ in range(n)] for n in args.ranks}
+    verdicts = [{"ranks": n, "verdict_ms": timed(lambda docs=docs: verdict(docs, list(range(len(docs))))) * 1e3}
+                for n, docs in documents.items()]
+    if args.json:
+        for row in rows + verdicts:
+            print(json.dumps(row))
+        return 0
+    print(f"{'MB/rank':>8} {'commit every':>12} {'scan ms':>8} {'scan GB/s':>9} {'XXH3 ms':>8} "
+          f"{'gate ms/step':>12} {'of a step':>9} {'+ XXH3':>8}   (step {args.step_ms:g} ms)")
+    for r in rows:
+        print(f"{r['mb']:>8} {r['commit_every']:>12} {r['scan_ms']:>8.2f} {r['scan_gb_s']:>9.1f} "
+              f"{r['fingerprints_ms']:>8.2f} {r['gate_ms_per_step']:>12.3f} {r['ratio']:>8.2%} "
+              f"{r['ratio_with_fingerprints']:>8.2%}")
+    for v in verdicts:
+        print(f"verdict over {v['ranks']} ranks' documents ({TENSORS} values each, all equal): "
+              f"{v['verdict_ms']:.1f} ms per commit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
