@@ -103,6 +103,8 @@ class Config:
             (roll back, and drop the offending step) or ``stop`` (an agreed error); default rollback.
         straggler_factor: a rank whose own work per step is this many times the median's ...
         straggler_steps: ... for this many steps in a row is evicted like a failed rank (0: off).
+        keep_versions: committed versions a ``State`` keeps, the current one included: a step not
+            finite again after its roll-back goes back one more (``ReplicatedStore.fall_back``).
     """
 
     spares: int = 0
@@ -127,6 +129,7 @@ class Config:
     on_nonfinite: str = "rollback"
     straggler_factor: float = 0.0
     straggler_steps: int = 5
+    keep_versions: int = 1
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
@@ -137,6 +140,8 @@ class Config:
             self._refuse("on_nonfinite", f"give one of {', '.join(NONFINITE)}")
         if self.straggler_factor and self.straggler_factor <= 1:
             self._refuse("straggler_factor", "give a factor > 1 (3: three times the median step), or 0 for off")
+        if self.keep_versions < 1:
+            self._refuse("keep_versions", "give versions >= 1 (the current one counts)")
         if self.straggler_steps < 1:
             self._refuse("straggler_steps", "give steps >= 1 (a rank must be slow that many steps in a row)")
         if self.log_level not in LOG_LEVELS:
@@ -191,6 +196,7 @@ ENV = {
     "progress_every": "ELASTIC_PROGRESS_EVERY", "progress_seconds": "ELASTIC_PROGRESS_SECONDS",
     "node_store": "ELASTIC_NODE_STORE", "relaunch": "ELASTIC_RELAUNCH", "on_nonfinite": "ELASTIC_ON_NONFINITE",
     "straggler_factor": "ELASTIC_STRAGGLER_FACTOR", "straggler_steps": "ELASTIC_STRAGGLER_STEPS",
+    "keep_versions": "ELASTIC_KEEP_VERSIONS",
 }
 NONFINITE = ("rollback", "skip", "stop")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -201,7 +207,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
     "log_level": lambda t: t.strip().upper(), "progress_every": int, "progress_seconds": float,
     "node_store": lambda t: t or None, "relaunch": _relaunch, "on_nonfinite": lambda t: t.strip().lower(),
-    "straggler_factor": float, "straggler_steps": int,
+    "straggler_factor": float, "straggler_steps": int, "keep_versions": int,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",
@@ -209,5 +215,6 @@ _WHAT = {
     "spawn_seconds": "takes seconds >= 0", "hang_timeout": "takes seconds >= 0 (0 turns it off)",
     "progress_timeout": "takes seconds >= 0 (0 turns it off)", "term_grace": "takes seconds >= 0",
     "progress_every": "takes steps >= 0 (0: not by steps)", "straggler_factor": "takes a factor > 1, or 0 for off",
-    "straggler_steps": "takes steps >= 1", "progress_seconds": "takes seconds >= 0 (0: not by time)",
+    "straggler_steps": "takes steps >= 1",
+    "keep_versions": "takes versions >= 1", "progress_seconds": "takes seconds >= 0 (0: not by time)",
 }

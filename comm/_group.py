@@ -42,12 +42,13 @@ class Settings:
     straggler_steps: int = 5           # ... for this many steps in a row
     rebuild: tuple[str, ...] = ("spare", "shrink")  # the rebuild modes allowed, and ...
     min_size: int = 1                  # ... the fewest ranks a shrink may leave (may a straggler go without a spare?)
+    keep_versions: int = 1             # committed versions a State keeps (the current one included)
 
     @classmethod
     def of(cls, config: Config) -> Settings:
         return cls(config.max_failures, config.progress_every, config.progress_seconds, config.node_store or "",
                    config.domains, bool(config.inject), config.on_nonfinite, config.straggler_factor,
-                   config.straggler_steps, config.rebuild, config.min_size)
+                   config.straggler_steps, config.rebuild, config.min_size, config.keep_versions)
 
 
 class EventSink(Protocol):

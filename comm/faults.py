@@ -69,7 +69,6 @@ class Injection:
     gen: int = 0
     factor: float = 0.0  # ``slow``: how many times slower
 
-
     def __post_init__(self) -> None:
         if self.point not in POINTS:
             raise ConfigError(f"fault injection point {self.point!r}: use one of {POINTS}")

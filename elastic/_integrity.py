@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from elastic.recovery import CommitRejected
+from elastic.recovery import CommitRejected, checksum
 
 _DOT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -81,18 +81,19 @@ class Verdict:
 
 
 def verdict(documents: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Verdict:
-    """Read every rank's gate document (``sums``: name -> fingerprint (a string) of each value that
-    must be equal; ``seen``: [step, what] of its first non-finite step or None; ``values``: its non-finite
-    values), in the order of ``ranks`` (logical). Non-finite comes first: it is not a rank's fault
+    """Read every rank's gate document, in the order of ``ranks`` (logical): ``digest`` (of all its
+    ``sums``); ``sums``, needed only when the digests differ (name -> fingerprint, a string, of
+    each value that must be equal); ``seen`` ([step, what] of its first non-finite step, or None);
+    ``values`` (its committed values holding a NaN or an Inf). Non-finite comes first: it is not a rank's fault
     (every rank took the same update), so nobody is fenced for it."""
     seen = [d["seen"] for d in documents if d.get("seen")]
     values = tuple(sorted({v for d in documents for v in d.get("values", ())}))
     if seen or values:
         first = min(seen, key=lambda s: int(s[0])) if seen else None
         return Verdict(int(first[0]) if first else None, str(first[1]) if first else "", values)
-    sums = [dict(d["sums"]) for d in documents]
-    if all(s == sums[0] for s in sums):
+    if all(d["digest"] == documents[0]["digest"] for d in documents):  # the common case: O(ranks)
         return Verdict()
+    sums = [d["sums"] for d in documents]
     groups: list[tuple[dict[str, str], list[int]]] = []
     for rank, mine in zip(ranks, sums):
         for key, members in groups:
@@ -108,6 +109,12 @@ def verdict(documents: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Ver
     differ = {rank: tuple(n for n in names if mine.get(n) != majority_sums.get(n))
               for rank, mine in zip(ranks, sums) if mine != majority_sums}
     return Verdict(fenced=tuple(sorted(differ)), differ=differ)
+
+
+def digest(sums: Mapping[str, str]) -> int:
+    """One number for all of a rank's fingerprints (local): the gate gathers this, O(1) per rank,
+    and the fingerprints themselves only when two differ."""
+    return checksum(np.frombuffer("\n".join(f"{k}={v}" for k, v in sorted(sums.items())).encode(), np.uint8))
 
 
 class Stragglers:

@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--on-nonfinite", choices=("rollback", "skip", "stop"),
                         help="a NaN / Inf at a commit: roll back and run the step again (default), roll back and "
                              "drop the step, or stop")
+    parser.add_argument("--keep-versions", type=int, metavar="K",
+                        help="committed versions each State keeps (default 1): a step not finite again after "
+                             "its roll-back goes back one more, K - 1 at most; each costs one version's memory")
     parser.add_argument("--straggler", metavar="FACTOR:STEPS",
                         help="evict a rank whose own work per step is FACTOR times the median's for STEPS steps "
                              "in a row, to a spare or by the rebuild modes, e.g. 3:5 (default: off)")
@@ -196,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
             parser.error(f"--straggler {raw.straggler}: write FACTOR:STEPS, e.g. 3:5")
     try:
         config = Config.from_env(on_nonfinite=raw.on_nonfinite, straggler_factor=factor, straggler_steps=steps,
+                                 keep_versions=raw.keep_versions,
                                  spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
                                  hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
                                  term_grace=raw.grace, run_dir=str(run_dir),

@@ -26,7 +26,7 @@ from elastic.comm import ConfigError, Group, Outlook, ProcessFailure, Unrecovera
 from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum, share
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
-from ._integrity import NonFinite, Stragglers, nonfinite_values, verdict
+from ._integrity import NonFinite, Stragglers, digest, nonfinite_values, verdict
 
 _LOG = logging.getLogger("elastic")
 INDEX = "__handlers__"  # a committed JSON document: each value's name and its handler's label
@@ -107,17 +107,22 @@ class State:
         per_step: every step a recovery point (``step_point``, which ``TorchState`` calls
             before each optimizer step): a failure loses only the step in flight, and the
             values every rank holds alike are never copied, not even locally.
+        keep_versions: committed versions kept, the current one included (default
+            ``ELASTIC_KEEP_VERSIONS``, 1): when a step is not finite again after the roll-back to
+            the last version, every rank goes back one more (a corruption that passed the gate).
+            Each costs the memory of one more version.
     """
 
     def __init__(self, world: Group, *, replication: int = 2, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
-                 **values: Any) -> None:
+                 keep_versions: int | None = None, **values: Any) -> None:
         if per_step and world.job.settings.node_store:
             raise ConfigError("per_step=True keeps the values every rank shares only in the processes' memory, "
                               "and a tier-2 relaunch (node_store) starts new ones: use per_step=False with "
                               "node_store (each commit then keeps them in node memory)")
         self._world = world
-        self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes)
+        keep = world.job.settings.keep_versions if keep_versions is None else keep_versions
+        self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
         self._per_step = per_step
         self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
         self._in_step = False       # per step: between a step point and the step's end (record_step)
@@ -271,7 +276,7 @@ class State:
             raise agreed(Unrecoverable(f"ranks restored different versions {versions}: the store's agreement broke "
                                        "(a bug, please report it)"))
         if versions[0] is None:
-            everyone = world.allgather(self._fingerprints(self._shared_values()))
+            everyone = world.allgather(digest(self._fingerprints(self._shared_values())))  # O(1) a rank
             first = everyone[world.job.first_survivor]
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
@@ -463,9 +468,12 @@ class State:
         replacement gets the majority's values); with no majority, ``CommitRejected`` everywhere.
         Cost: the fingerprints (XXH3) and the non-finite scan, ~4 ms each per 128 MB here."""
         world = self._world
-        document = {"sums": self._fingerprints(arrays), "seen": list(self._seen) if self._seen else None,
+        sums = self._fingerprints(arrays)
+        document = {"digest": digest(sums), "seen": list(self._seen) if self._seen else None,
                     "values": nonfinite_values({n: a for n, a in arrays.items() if n != INDEX})}
         everyone = world.allgather(document)
+        if any(d["digest"] != everyone[0]["digest"] for d in everyone):  # rare: which values, on whom
+            everyone = [{**d, "sums": s} for d, s in zip(everyone, world.allgather(sums))]
         ranks = [int(r) for r in world.logical_ranks]
         found = verdict(everyone, ranks)
         if found.good:
@@ -505,32 +513,40 @@ class State:
 
     def _roll_back(self, error: NonFinite, mode: str) -> None:
         """After ``NonFinite`` (agreed): roll every rank back to the last good version, dropping the
-        offending step with ``skip``; stop when that cannot help (local; the same on every rank)."""
+        offending step with ``skip``. Non-finite again before any commit since (the version passed
+        the gate, but the corruption came before it): one version further back, while every rank
+        keeps an older one (``keep_versions``); stop when nothing can help (collective only for
+        that fall-back; the same on every rank)."""
         world = self._world
-        step = error.step
-        again = step in self._rollbacks
-        if mode == "stop" or again or self._per_step or len(self._rollbacks) >= world.job.settings.max_failures:
-            if mode == "stop":
-                advice = "on_nonfinite='stop'"
-            elif self._per_step:
-                advice = ("per_step=True keeps no copy of the values every rank holds alike to roll back to: use "
-                          "per_step=False to roll back past a non-finite step")
-            elif mode == "skip" and step in self._dropped:
-                advice = (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of "
-                          "the loop and skip the step when it says so")
-            elif again:
-                advice = (f"step {step} was not finite again after a roll-back: the cause is not transient (data, "
-                          "learning rate); on_nonfinite='skip' drops the step")
-            else:
-                advice = f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
-            raise agreed(Unrecoverable(f"{error} ({advice})"))
+        step, again = error.step, bool(self._rollbacks)
+        stop = None
+        if mode == "stop":
+            stop = "on_nonfinite='stop'"
+        elif self._per_step:
+            stop = ("per_step=True keeps no copy of the values every rank holds alike to roll back to: use "
+                    "per_step=False to roll back past a non-finite step")
+        elif mode == "skip" and step in self._dropped:
+            stop = (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of the "
+                    "loop and skip the step when it says so")
+        elif len(self._rollbacks) >= world.job.settings.max_failures:
+            stop = f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
+        if stop is not None:
+            raise agreed(Unrecoverable(f"{error} ({stop})"))
+        fallen = self._store.fall_back() if again else None
+        if again and fallen is None:
+            raise agreed(Unrecoverable(
+                f"{error} (not finite again after the roll-back to version {self.version}, and no older version is "
+                f"kept on every rank: keep_versions={self._store.keep}, and a failure keeps only the current one. The "
+                "cause is not transient (data, learning rate): on_nonfinite='skip' drops the step; keep_versions=K "
+                "goes back further)"))
         self._rollbacks.append(step)
         if mode == "skip" and step is not None:
             self._dropped.add(step)
         self.restore()
         world.events.emit("rolled_back", version=self.version, step=step, dropped=mode == "skip" and step is not None,
-                          values=error.values)
-        _LOG.warning("[integrity] %s: rolled back to version %s%s", error, self.version,
+                          values=error.values, fallback=fallen is not None)
+        _LOG.warning("[integrity] %s: rolled back to version %s%s%s", error, self.version,
+                     " (one further: the last one did not help)" if fallen is not None else "",
                      f", step {step} dropped" if mode == "skip" and step is not None else "")
 
 
@@ -554,14 +570,15 @@ class TorchState(State):
     def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
-                 adopt: Adopt | None = None, per_step: bool = False, **values: Any) -> None:
+                 adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,
+                 **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
         if per_step and shard_optimizer:
             raise ConfigError("per_step=True with shard_optimizer=True: a step point comes before the optimizer "
                               "step, and a sharded optimizer's state changes in it, after the point; use "
                               "per_step=False (commit() every few steps) with a sharded optimizer")
         super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
-                         per_step=per_step, **values)
+                         per_step=per_step, keep_versions=keep_versions, **values)
         self._hooks: list[Any] = []  # the optimizers' step pre-hooks (per step)
         pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
         for name, (module, optim) in {**pairs, **(modules or {})}.items():

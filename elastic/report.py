@@ -128,6 +128,7 @@ def integrity(events: list[dict]) -> list[str]:
         seen.add(key)
         if e["event"] == "rolled_back":
             lines.append(f"  rolled back to version {e['version']}" +
+                         (" (one further back: the last one did not help)" if e.get("fallback") else "") +
                          (f", step {e['step']} dropped" if e["dropped"] else
                           f", step {e['step']} to run again" if e["step"] is not None else ""))
         elif e["event"] == "straggler":

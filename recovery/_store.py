@@ -96,12 +96,22 @@ class ReplicatedStore:
     """Replicates every active rank's state in its peers' memory. Create on every active rank."""
 
     def __init__(self, world: Group, replication: int = 2, chunk_bytes: int = 1 << 20,
-                 domains: Mapping[int, str] | None = None, rollback_copy: bool = True) -> None:
+                 domains: Mapping[int, str] | None = None, rollback_copy: bool = True, keep: int = 1) -> None:
         """``rollback_copy=False``: keep no copy of this rank's own committed state; the caller
         promises to leave the committed arrays unchanged until the next commit (a double-buffered
         simulation, a snapshot it made itself), and a commit then copies nothing locally and
         receives into the buffer the retired version held (no fresh memory). With the default, the
-        arrays may change right after ``commit`` returns and ``restore`` gives the committed bytes."""
+        arrays may change right after ``commit`` returns and ``restore`` gives the committed bytes.
+
+        ``keep``: versions kept, the current one included: the older ones are what ``fall_back``
+        goes back to (each costs what the current one does: its roll-back payload and the copies
+        held for others). A recovery keeps only the current one (a replacement holds no other), so
+        the chain starts again after every failure. In process memory with a roll-back copy only."""
+        if keep < 1:
+            raise ConfigError(f"keep={keep}: versions kept, the current one included: at least 1")
+        if keep > 1 and (not rollback_copy or (world.job.settings.node_store and not world.job.alone)):
+            raise ConfigError(f"keep={keep}: older versions are kept in process memory with a roll-back copy only; "
+                              "use keep=1 with rollback_copy=False or a node store (tier 2)")
         if replication < 1:
             raise ConfigError(f"replication={replication}: need at least 1 (2 survives one failure)")
         if world.job.alone:
@@ -116,6 +126,8 @@ class ReplicatedStore:
         self.chunk_bytes = chunk_bytes
         self._domains = dict(domains) if domains is not None else None
         self._current: _Version | None = None
+        self.keep = keep
+        self._older: list[_Version] = []  # the versions before the current one, newest first (``keep``)
         self._layout: tuple[int, Layout] | None = None  # (generation, layout) of the active ranks
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
@@ -198,6 +210,7 @@ class ReplicatedStore:
             ProcessFailure: another failure during recovery; recover the world again, then this.
         """
         self._settle()
+        self._older = []  # a replacement holds none of them, and after a shrink they lack the removed ranks' state
         world = self.world
         me = int(world.logical_rank)
         active = [int(r) for r in world.logical_ranks]
@@ -241,6 +254,22 @@ class ReplicatedStore:
         world.events.emit("store_recovered", version=number, dead=dead, bytes_moved=self.bytes_moved,
                           durations=self.last_recovery, replicated=not dead, given_up=self.given_up)
         return True
+
+    def fall_back(self) -> int | None:
+        """Make the newest older version that every active rank keeps the current one, dropping the
+        newer ones (collective; the same on every rank): a corruption found after the current
+        version passed the integrity gate. Returns its number, or None (nothing changed) when no
+        older version is kept on every rank (``keep=1``, or a failure since: see ``keep``)."""
+        self._settle()
+        kept = self.world.allgather([v.number for v in self._older])
+        common = set(kept[0]).intersection(*map(set, kept[1:])) if kept else set()
+        if not common:
+            return None
+        target = max(common)
+        while self._older and self._older[0].number != target:
+            self._older.pop(0)
+        self._current = self._older.pop(0)
+        return self._current.number
 
     # -------------------------------------------------------------- commit
     def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int,
@@ -317,7 +346,10 @@ class ReplicatedStore:
             self._backing.abandon(self.version)
             raise
         t4 = time.perf_counter()
-        old = self._current
+        old = self._current  # kept as an older version (``keep``), or retired: its buffers are reused
+        if old is not None and self.keep > 1:
+            self._older.insert(0, old)
+            old = self._older.pop() if len(self._older) >= self.keep else None
         payload = self._backing.keep(version, segments, total, old.payloads.get(me) if old else None,
                                      old.buffer if old else None, lambda: world.job.host_peers)
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)

@@ -428,3 +428,47 @@ def test_the_first_sync_moves_the_shared_values_only_to_the_ranks_that_differ():
     alike = SimJob(4)
     alike.run(lambda world: elastic.run(lambda world, state: None)(world, elastic.State(world, w=np.ones(3))))
     assert not alike.of("shared_copied")  # a seeded start moves nothing
+
+
+def _late_corruption(keep: int):
+    """Every rank adds the same error to ``w`` at step 7, once per process: it passes the gate (equal
+    everywhere, finite) and is committed at step 10; the loss goes NaN from step 12 on while it is
+    there, so the roll-back to step 10 does not help and only the version of step 5 does."""
+    def main(world):
+        state = elastic.State(world, keep_versions=keep, w=np.zeros(4), step=0)
+        fired = [False]
+
+        @elastic.run
+        def train(world, state):
+            while state.step < 20:
+                if state.step == 7 and not fired[0]:
+                    fired[0] = True
+                    state.w = state.w + 1000
+                state.w = state.w + 1
+                state.step += 1
+                state.record_step(state.step, float("nan") if state.w[0] > 500 and state.step >= 12 else 1.0)
+                if state.step % 5 == 0:
+                    state.commit()
+            return state.w.tolist()
+        return train(world, state)
+    return main
+
+
+def test_a_corruption_that_passed_the_gate_falls_back_one_more_kept_version():
+    job = SimJob(4)
+    assert job.run(_late_corruption(keep=2)) == {r: [20.0] * 4 for r in range(4)}
+    back = sorted({(e["version"], e["step"], e["fallback"]) for e in job.of("rolled_back")}, reverse=True)
+    assert back == [(2, 12, False), (1, 12, True)]  # step 10's version first, then step 5's
+    assert len(job.of("rolled_back")) == 8
+
+
+def test_without_an_older_version_kept_everywhere_a_repeated_non_finite_step_stops():
+    again = r"not finite again after the roll-back to version 2.*keep_versions=1"
+    with pytest.raises(elastic.Unrecoverable, match=again):
+        SimJob(4).run(_late_corruption(keep=1))
+    # A failure leaves every rank only the current version (the replacement holds no other): the
+    # same stop, never a fall-back to a version some rank lacks.
+    job = SimJob(4, spares=1, inject="1@11")
+    with pytest.raises(elastic.Unrecoverable, match=r"no older version is kept on every rank: keep_versions=2"):
+        job.run(_late_corruption(keep=2))
+    assert [e["mode"] for e in job.of("rebuilt")][:1] == ["spare"] and not job.of("finished")
