@@ -86,7 +86,10 @@ class Injection:
                               "a step, e.g. '1@20:nan'")
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.factor:
+            del out["factor"]  # only ``slow`` has one: every other entry reads as it always did
+        return out
 
 
 def parse_schedule(text: str | None) -> tuple[Injection, ...]:

@@ -173,8 +173,13 @@ def test_ported_script_shrink_mid_epoch_keeps_batches_and_learning_rate(tmp_path
         assert event["samples"] == ref["steps"][step]["samples"], step
         assert event["size"] == (4 if step <= 30 else 3), step
     # Not bitwise after a shrink (sums in another order); SGD with momentum at lr 0.1 carries the
-    # rounding further than the MLP of train.py does: 1.2e-3 relative measured here.
-    assert abs(job.result["final_loss"] - ref["result"]["final_loss"]) <= 5e-3 * ref["result"]["final_loss"]
+    # rounding further than the MLP of train.py does, and one step's loss (one batch) amplifies it:
+    # the last step's differed by 1.2e-3 on one machine, 1.3e-2 on another. The mean of the last 10
+    # steps' losses is what the shrink must keep: 1.4e-3 relative measured on the second.
+    last = sorted(ref["steps"])[-10:]
+    mean_ref = sum(ref["steps"][s]["loss"] for s in last) / len(last)
+    mean_job = sum(final_steps(job.events)[s]["loss"] for s in last) / len(last)
+    assert abs(mean_job - mean_ref) <= 5e-3 * mean_ref
 
 
 def test_zero1_lost_optimizer_shard_comes_back_bitwise(tmp_path, reference):
