@@ -103,6 +103,8 @@ class Config:
             (roll back, and drop the offending step) or ``stop`` (an agreed error); default rollback.
         straggler_factor: a rank whose own work per step is this many times the median's ...
         straggler_steps: ... for this many steps in a row is evicted like a failed rank (0: off).
+        warm_socket: where this host's warm process listens (``_warm``; set by the launcher, None:
+            every rank starts cold).
         keep_versions: committed versions a ``State`` keeps, the current one included: a step not
             finite again after its roll-back goes back one more (``ReplicatedStore.fall_back``).
     """
@@ -130,6 +132,7 @@ class Config:
     straggler_factor: float = 0.0
     straggler_steps: int = 5
     keep_versions: int = 1
+    warm_socket: str | None = None
 
     def __post_init__(self) -> None:
         bad = [m for m in self.rebuild if m not in MODES]
@@ -196,7 +199,7 @@ ENV = {
     "progress_every": "ELASTIC_PROGRESS_EVERY", "progress_seconds": "ELASTIC_PROGRESS_SECONDS",
     "node_store": "ELASTIC_NODE_STORE", "relaunch": "ELASTIC_RELAUNCH", "on_nonfinite": "ELASTIC_ON_NONFINITE",
     "straggler_factor": "ELASTIC_STRAGGLER_FACTOR", "straggler_steps": "ELASTIC_STRAGGLER_STEPS",
-    "keep_versions": "ELASTIC_KEEP_VERSIONS",
+    "keep_versions": "ELASTIC_KEEP_VERSIONS", "warm_socket": "ELASTIC_WARM_SOCKET",
 }
 NONFINITE = ("rollback", "skip", "stop")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -207,7 +210,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "progress_timeout": float, "term_grace": float, "require_ulfm": lambda t: _flag(t) if t else None,
     "log_level": lambda t: t.strip().upper(), "progress_every": int, "progress_seconds": float,
     "node_store": lambda t: t or None, "relaunch": _relaunch, "on_nonfinite": lambda t: t.strip().lower(),
-    "straggler_factor": float, "straggler_steps": int, "keep_versions": int,
+    "straggler_factor": float, "straggler_steps": int, "keep_versions": int, "warm_socket": lambda t: t or None,
 }
 _WHAT = {
     "spares": "takes integers >= 0", "min_size": "takes integers >= 1", "multiple_of": "takes integers >= 1",

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any, cast
 
 from mpi4py import MPI
@@ -21,7 +22,24 @@ from ._policy import FixedOrder, RebuildPolicy
 from ._ranks import SPARE, LogicalRank, Role
 from ._rebuild import JOIN_SECONDS, Generation, Rebuild, split_actives
 from ._ulfm import check_ulfm
+from ._watchdog import WARM_CHILD_ENV
 from ._world import WATCHDOG, World
+
+
+# How this process came to be, for the report's start-up phases: when it began (forked from a warm
+# process, or a new interpreter), when MPI_Init began and how long it took.
+_STARTUP: dict[str, float] = {}
+
+
+def _process_began() -> float:
+    """The wall-clock time this process began (local; /proc: its start in clock ticks since boot)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # /proc/stat's btime is whole seconds
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
 
 
 def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
@@ -43,8 +61,10 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         ConfigError: a setting is wrong.
     """
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    mpi_start = time.time()
     if not MPI.Is_initialized():  # a tool's main() told mpi4py not to initialize
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    _STARTUP.update(began=_process_began(), mpi_start=mpi_start, mpi_init=time.time() - mpi_start)
     WATCHDOG.start()  # from here on a stopped or frozen process is found by its sentinel
     _log.setup(config.log_level)
     alone = _started_alone()
@@ -86,7 +106,9 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         world._adopt(dataclasses.replace(start, comm=split_actives(members)))
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
-                      sentinel=world._watchdog.active, **({"relaunch": relaunch.count} if relaunch else {}))
+                      sentinel=world._watchdog.active, sentinel_pid=world._watchdog.sentinel_pid,
+                      warm=WARM_CHILD_ENV in os.environ, **_STARTUP,
+                      **({"relaunch": relaunch.count} if relaunch else {}))
     if relaunch is not None and rebuild is not None:  # the report's timeline: a recovery by a relaunch
         world._announce(rebuild, lost_nodes=relaunch.lost_nodes)
     if role is Role.SPARE:
@@ -124,7 +146,8 @@ def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> Wor
     world = World(joining, config, policy or FixedOrder(config.rebuild, config.min_size), state["initial_size"],
                   history=state["history"], step=state["step"])
     world._lifecycle.install()
-    world.events.emit("spawned", sentinel=world._watchdog.active)
+    world.events.emit("spawned", sentinel=world._watchdog.active, sentinel_pid=world._watchdog.sentinel_pid,
+                      warm=WARM_CHILD_ENV in os.environ, **_STARTUP)
     world._rebuild(join=True)
     world._watchdog.watch_progress(True)
     return world

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import _warm
 from ._config import Config
 from ._errors import ConfigError
 from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, STOPPED_SENTINEL_SECONDS, Page
@@ -63,6 +64,7 @@ class Sentinel:
         self.command = command
         self.hang_timeout, self.progress_timeout = config.hang_timeout, config.progress_timeout
         self.term_grace = config.term_grace
+        self.warm_socket = config.warm_socket  # fork the program from this host's warm process, if it serves
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.page = Page.create()
         # The program watches this process too (a stopped sentinel), within the same bound.
@@ -77,8 +79,15 @@ class Sentinel:
     def run(self) -> int:
         env = {**os.environ, SENTINEL_FD_ENV: str(self.page.fd), SENTINEL_PID_ENV: str(os.getpid())}
         try:
-            self.child = subprocess.Popen(self.command, pass_fds=(self.page.fd,), env=env,
-                                          preexec_fn=_die_with_parent(os.getpid()))
+            warm, why = _warm.start(self.warm_socket, self.command, env, self.page.fd) if self.warm_socket else \
+                (None, "")
+            if warm is not None:
+                self.child: subprocess.Popen[bytes] | _warm.WarmChild = warm
+            else:
+                if self.warm_socket:
+                    self._say_once("cold", f"[sentinel] a cold start on {socket.gethostname()}: {why}\n")
+                self.child = subprocess.Popen(self.command, pass_fds=(self.page.fd,), env=env,
+                                              preexec_fn=_die_with_parent(os.getpid()))
         except OSError as exc:
             sys.stderr.write(f"[sentinel] cannot start {self.command!r}: {exc}\n")
             self._die()  # a plain exit code would leave the others waiting for this rank
@@ -168,6 +177,15 @@ class Sentinel:
             os.kill(os.getpid(), sig)
         os.kill(os.getpid(), signal.SIGKILL)  # a signal the process could not die of (blocked): no other end
         raise AssertionError("not reached")
+
+    def _say_once(self, what: str, text: str) -> None:
+        """Write ``text`` to stderr if no other sentinel of the job on this host has said ``what``."""
+        if self.run_dir is not None:
+            try:
+                os.close(os.open(self.run_dir / f".said-{what}-{socket.gethostname()}", os.O_CREAT | os.O_EXCL))
+            except OSError:
+                return
+        sys.stderr.write(text)
 
     def _write_fate(self, end: str, **fields: Any) -> None:
         if self.run_dir is None:

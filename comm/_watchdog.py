@@ -42,6 +42,7 @@ from typing import Iterator
 
 SENTINEL_FD_ENV = "ELASTIC_SENTINEL_FD"
 SENTINEL_PID_ENV = "ELASTIC_SENTINEL_PID"
+WARM_CHILD_ENV = "ELASTIC_WARM_CHILD"  # set in a rank a warm process forked: the pid of its sentinel
 BEAT_SECONDS = 0.5
 STOPPED_SENTINEL_SECONDS = 10.0  # how long a sentinel may stay stopped when the heartbeat bound is off
 PAGE = 4096
@@ -96,14 +97,28 @@ class Watchdog:
     @classmethod
     def from_env(cls) -> "Watchdog":
         fd, pid = os.environ.get(SENTINEL_FD_ENV, ""), os.environ.get(SENTINEL_PID_ENV, "")
-        if not (fd.isdigit() and pid.isdigit()) or int(pid) != os.getppid():
+        # A sentinel starts its program (its parent), or has a warm process fork it (``_warm``: its
+        # parent is the warm process, which says whose it is).
+        mine = pid.isdigit() and (int(pid) == os.getppid() or os.environ.get(WARM_CHILD_ENV) == pid)
+        if not (fd.isdigit() and mine):
             return cls(None, None)  # no sentinel, or the variables leaked into a process it did not start
         return cls(Page(int(fd)), int(pid))
+
+    def adopt_env(self) -> None:
+        """Read the sentinel's variables again (a warm process's fork: this object was made before
+        the child had them)."""
+        fresh = Watchdog.from_env()
+        self._page, self._sentinel = fresh._page, fresh._sentinel
 
     @property
     def active(self) -> bool:
         """True when a sentinel watches this process."""
         return self._page is not None
+
+    @property
+    def sentinel_pid(self) -> int | None:
+        """The sentinel's pid (the process the runtime started for this rank), if one watches."""
+        return self._sentinel
 
     def start(self) -> None:
         """Start the heartbeat thread (idempotent)."""
@@ -167,8 +182,9 @@ class Watchdog:
     def _beat(self) -> None:
         assert self._page is not None and self._sentinel is not None
         stopped_since: float | None = None
+        forked = os.environ.get(WARM_CHILD_ENV) == str(self._sentinel)
         while True:
-            if os.getppid() != self._sentinel:
+            if (not os.path.exists(f"/proc/{self._sentinel}")) if forked else os.getppid() != self._sentinel:
                 # The sentinel is gone: the runtime already counts this rank as dead, so it must
                 # not go on as a process nobody waits for.
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -32,7 +32,7 @@ from ._config import Config
 from ._group import Settings, first_survivor
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from .events import EventLog
-from .faults import DATA_ACTIONS, FaultInjector, Injection
+from .faults import QUIET_ACTIONS, FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members
 from ._policy import Outlook, RebuildPolicy
@@ -63,7 +63,7 @@ class World:
         self._watchdog = WATCHDOG
         self.events = EventLog(config.run_dir, self._context)
         self._lifecycle = Lifecycle(self)
-        self._faults = FaultInjector(config.inject, self._announce_fault)
+        self._faults = FaultInjector(config.inject, self._announce_fault, config.warm_socket)
         self._released: set[int] = set()
         self._alone = alone  # a single process started without mpiexec (debugging): nothing survivable
         self.job = WorldJob(self)
@@ -362,7 +362,7 @@ class World:
 
     def _announce_fault(self, entry: Injection) -> None:
         self.events.emit("inject", **entry.to_dict())
-        if entry.action in DATA_ACTIONS:  # nothing ends here: what the layers above make of it is the outcome
+        if entry.action in QUIET_ACTIONS:  # nothing ends here: what the layers above make of it is the outcome
             return
         self.events.write_outcome(f"injected-{entry.action}", injection=entry.to_dict(), step=self._step)
         self._lifecycle.injected()

@@ -30,7 +30,8 @@ node: its runtime daemon and every process under it, frozen at once, then
 killed; only on simulated nodes, whose memory dies with them: the launcher
 writes ``nodeK@STEP`` as this on node K's first rank), ``runtime`` (SIGKILL to
 the job's ``prterun``: the runtime is gone, every node's memory stays; the
-processes are left to the launcher).
+processes are left to the launcher), ``warm`` (SIGKILL to this host's warm process, which forks
+ranks, ``elastic.comm._warm``; the rank goes on: the next rank started here starts cold).
 """
 from __future__ import annotations
 
@@ -43,14 +44,16 @@ from pathlib import Path
 from typing import Callable
 
 from ._errors import ConfigError, ElasticError
+from ._watchdog import WARM_CHILD_ENV
 from .wire import message
 
 __all__ = ["Injection", "InjectedFault", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
-ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
+QUIET_ACTIONS = DATA_ACTIONS + ("warm",)   # the process goes on: no outcome is written for them
 STEP_POINTS = ("step", "collective", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
@@ -139,9 +142,11 @@ def _parse_compact(item: str) -> Injection:
 class FaultInjector:
     """Fires the schedule's entries that match this process (local, no communication)."""
 
-    def __init__(self, schedule: tuple[Injection, ...], announce: Callable[[Injection], None]) -> None:
+    def __init__(self, schedule: tuple[Injection, ...], announce: Callable[[Injection], None],
+                 warm_socket: str | None = None) -> None:
         self.schedule = schedule
         self._announce = announce
+        self._warm_socket = warm_socket
         self._armed: dict[str, Injection] = {}  # data faults that fired, for the layers above
         self._spent: set[Injection] = set()     # data faults act once per process
 
@@ -181,14 +186,23 @@ class FaultInjector:
                     _kill_node()
                 elif entry.action == "runtime":
                     _kill_runtime()
+                elif entry.action == "warm":
+                    _kill_warm(self._warm_socket)
                 else:
                     raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")
+
+
+def _started_by() -> int:
+    """The process the runtime started for this rank: its sentinel (this process's parent, or the
+    one that had a warm process fork it), or this process itself without a sentinel."""
+    sentinel = os.environ.get(WARM_CHILD_ENV, "")
+    return int(sentinel) if sentinel.isdigit() else os.getppid()
 
 
 def _kill_node() -> None:
     """SIGKILL this process's node: the runtime daemon above it (``prted``) and all it started; on a
     simulated node, every process of its UTS namespace as well."""
-    daemon = os.getpid()
+    daemon = _started_by()
     while daemon > 1 and _proc_field(daemon, "comm") != "prted":
         daemon = int(_proc_field(daemon, "ppid") or 1)
     pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
@@ -207,7 +221,7 @@ def _kill_node() -> None:
         # A simulated node is its own UTS namespace: all of it goes, whatever the process tree says
         # (no daemon may be found above the injecting rank at all).
         node += [pid for pid in pids if pid not in node and _namespace(pid) == uts]
-    ancestors, pid = [], os.getppid()
+    ancestors, pid = [], _started_by()
     while pid > 1:
         ancestors.append(pid)
         pid = int(_proc_field(pid, "ppid") or 1)
@@ -238,9 +252,24 @@ def _namespace(pid: int) -> str | None:
         return None
 
 
+def _kill_warm(path: str | None) -> None:
+    """SIGKILL the warm process listening at ``path`` (its pid from the socket's peer credentials)."""
+    if not path:
+        return
+    import socket
+    import struct
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.connect(path)
+        except OSError:
+            return  # gone already
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    os.kill(pid, signal.SIGKILL)
+
+
 def _kill_runtime() -> None:
     """SIGKILL the job's runtime (``prterun``, an ancestor of every rank), then wait to be ended."""
-    runtime = os.getpid()
+    runtime = _started_by()
     while runtime > 1 and _proc_field(runtime, "comm") != "prterun":
         runtime = int(_proc_field(runtime, "ppid") or 1)
     if runtime > 1:

@@ -51,6 +51,7 @@ class LaunchPlan:
     mca: tuple[tuple[str, str], ...] = ()
     mpiexec: str | None = None
     quiet: bool = False
+    warm: bool = True                         # a warm process on this machine forks the ranks (``--cold``: not)
 
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
@@ -108,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--on-nonfinite", choices=("rollback", "skip", "stop"),
                         help="a NaN / Inf at a commit: roll back and run the step again (default), roll back and "
                              "drop the step, or stop")
+    parser.add_argument("--cold", action="store_true",
+                        help="start every rank cold (a new interpreter importing everything) instead of forking it "
+                             "from this machine's warm process")
     parser.add_argument("--keep-versions", type=int, metavar="K",
                         help="committed versions each State keeps (default 1): a step not finite again after "
                              "its roll-back goes back one more, K - 1 at most; each costs one version's memory")
@@ -190,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
     run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     job = f"elastic-{uuid.uuid4().hex[:12]}"
+    # One warm process, on this machine: it serves the ranks here and on its simulated nodes (not other hosts).
+    warm = not raw.cold and (bool(raw.simulate_nodes) or {h for h, _ in hosts} <= {socket.gethostname(), "localhost"})
+    warm_socket = f"/tmp/{job}.warm" if warm else None
     factor, steps = None, None
     if raw.straggler:
         try:
@@ -199,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
             parser.error(f"--straggler {raw.straggler}: write FACTOR:STEPS, e.g. 3:5")
     try:
         config = Config.from_env(on_nonfinite=raw.on_nonfinite, straggler_factor=factor, straggler_steps=steps,
-                                 keep_versions=raw.keep_versions,
+                                 keep_versions=raw.keep_versions, warm_socket=warm_socket,
                                  spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
                                  hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
                                  term_grace=raw.grace, run_dir=str(run_dir),
@@ -210,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error(str(exc))
     return LaunchPlan(command, nprocs, spares, tuple(hosts), tuple(spare_hosts), placement, config, job, run_dir,
                       relaunches, raw.inject, raw.slurm, raw.simulate_nodes, raw.timeout, raw.grace, raw.detector,
-                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), mpiexec, raw.quiet)
+                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), mpiexec, raw.quiet, warm)
 
 
 def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,16 +87,59 @@ def main(argv: list[str] | None = None) -> int:
             done.attempt.stop(f"got {signal.Signals(sig).name}")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    warm = _start_warm(plan, done.notes)
+    if warm is None:
+        done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
         _launch_until_done(plan, agent, memory, done, got)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if warm is not None:
+            warm.kill()
+            warm.wait()
+            Path(plan.config.warm_socket or "").unlink(missing_ok=True)
         if plan.simulate_nodes:
             shutil.rmtree(memory, ignore_errors=True)
         elif not plan.hosts:  # this machine is the job's only node: its memory is this launcher's to free
             shutil.rmtree(Path("/dev/shm") / plan.job, ignore_errors=True)
     return _verdict(plan, done, got)
+
+
+def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | None:
+    """This machine's warm process (``elastic.comm._warm``): it imports what the ranks import, then
+    forks each of them, a spawned replacement or a relaunched rank as well, in milliseconds instead of
+    an interpreter's start. Waits until it serves (it takes what one cold start takes); None, and a
+    note, when it cannot (the ranks then start cold, and say so once)."""
+    if not plan.config.warm_socket:
+        return None
+    programs = [plan.command[1]] if len(plan.command) > 1 and plan.command[1].endswith(".py") else []
+    if any(_asks_cold(program) for program in programs):
+        print(f"[launch] {programs[0]} asks for cold starts ({COLD_PRAGMA}): every rank starts a new interpreter",
+              flush=True)
+        notes.append(f"cold starts, as the program asks ({COLD_PRAGMA})")
+        return None
+    proc = subprocess.Popen([sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket,
+                             *programs], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **job_env(plan.config)})  # its own session: no terminal's ^C
+    ready = proc.stdout.readline() if proc.stdout is not None else ""
+    if not ready.startswith("[warm] ready"):
+        proc.kill()
+        proc.wait()
+        notes.append(f"no warm process ({ready.strip() or 'it ended'}): every rank started cold")
+        return None
+    return proc
+
+
+COLD_PRAGMA = "# elastic: cold-start"  # a program that must not be forked from a warm process says so
+
+
+def _asks_cold(program: str) -> bool:
+    """The program says it cannot run in a forked process (it initialises CUDA as it imports, say)."""
+    try:
+        return any(line.strip() == COLD_PRAGMA for line in Path(program).read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done: _Launches, got: list[int]) -> None:

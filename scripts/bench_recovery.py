@@ -9,10 +9,13 @@ asked) runs under mpiexec --with-ft ulfm and loses logical rank 1 after step
 
   (a) shrink, (b) spare substitute, (c) spawn substitute: the elastic loop
       recovers in-process from the replicated store (commit every ``interval``);
+      the spawned process forked from the launcher's warm process (the default), and (c')
+      the same started cold (``--cold``: a new interpreter importing everything);
   (d) checkpoint-restart, what users do today: every rank writes its state
       with torch.save (+fsync) every ``interval`` steps; the kill ends the job;
       it is relaunched with mpiexec and every rank torch.loads the last
-      checkpoint. Each relaunch kills again, so one job per repetition.
+      checkpoint. Each relaunch kills again, so one job per repetition; every launch starts
+      cold (``--cold``), as a new job does today.
 
 Recovery time = the kill -> the first completed step past the one the job was
 on when killed, so the steps lost since the last commit / checkpoint count in
@@ -33,8 +36,9 @@ Node loss (``--nodes N``, root: simulated nodes, see ``elastic.launch --simulate
 node 1 is killed (its daemon, its ranks, its memory) ``interval + 7`` steps in;
 Open MPI then ends the whole job. (e) tier 2: the launcher relaunches on the
 other nodes plus a spare node and the ranks restore from the surviving nodes'
-memory; (f) checkpoint-restart of the same state from disk, relaunched by hand
-on as many nodes. Phases of (e): detect (kill -> the runtime gone), relaunch
+memory, forked from the launcher's warm process, and (e') the same started
+cold; (f) checkpoint-restart of the same state from disk, relaunched by hand
+(cold) on as many nodes. Phases of (e): detect (kill -> the runtime gone), relaunch
 (-> every rank started), attach (-> the nodes' versions agreed), fetch,
 resume (-> the loop resumed), redo.
 
@@ -155,7 +159,8 @@ def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> l
     from elastic.report import timeline
     kills = ",".join(f"1@{a.interval * (g + 1) + 7}/g{g}" for g in range(a.reps))
     launcher = {"shrink": ["--rebuild", "shrink"], "spare": ["--spares", str(a.reps), "--rebuild", "spare"],
-                "spawn": ["--rebuild", "spawn"]}[mode] + ["--inject", kills]
+                "spawn": ["--rebuild", "spawn"], "spawn-cold": ["--rebuild", "spawn", "--cold"]}[mode] + \
+        ["--inject", kills]
     if mode == "shrink" and n - a.reps < 1:
         return []
     run_dir = tmp / f"{mode}-{n}-{mb}"
@@ -175,11 +180,12 @@ def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> l
     return out
 
 
-def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> list[dict]:
+def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path, cold: bool = False) -> list[dict]:
     """Tier 2: node 1 killed once; the launcher relaunches from the nodes' memory (phases, seconds)."""
-    run_dir = tmp / f"node-{n}-{mb}"
+    run_dir = tmp / f"node-{n}-{mb}{'-cold' if cold else ''}"
     failed_at = a.interval + 7
-    launch(n, run_dir, ["--simulate-nodes", str(a.nodes), "--spare-nodes", "1", "--inject", f"node1@{failed_at}"],
+    launch(n, run_dir, ["--simulate-nodes", str(a.nodes), "--spare-nodes", "1", "--inject", f"node1@{failed_at}"]
+           + (["--cold"] if cold else []),
            ["--state-mb", str(mb), "--steps", str(a.interval * 2 + 10), "--commit-every", str(a.interval)])
     events = events_of(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -214,7 +220,7 @@ def restart(n: int, mb: int, a: argparse.Namespace, tmp: Path, nodes: int = 0) -
         run_dir = tmp / f"restart-{n}-{mb}-{g}"
         where = f"node1@{a.interval * (g + 1) + 7}" if nodes else f"1@{a.interval * (g + 1) + 7}"
         kill = ["--inject", where] if g < a.reps else []
-        on = ["--simulate-nodes", str(nodes), "--relaunches", "0"] if nodes else []
+        on = ["--cold"] + (["--simulate-nodes", str(nodes), "--relaunches", "0"] if nodes else [])
         t_gone = launch(n, run_dir, on + kill, common, no_recovery)
         events = events_of(run_dir)
         if previous is not None:
@@ -297,20 +303,22 @@ def main() -> int:
         return node_main(a)
     print(f"kill -> first step past the one the job was on, seconds, median of {a.reps}; commit / checkpoint "
           f"every {a.interval} steps, kill {7} steps after one; restart = (d) over (a-c)", flush=True)
-    head = ("ranks", "MB", "shrink", "spare", "spawn", "restart", "d/shrink", "d/spare", "d/spawn",
-            "rebuild", "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
+    head = ("ranks", "MB", "shrink", "spare", "spawn", "spawn cold", "restart", "d/shrink", "d/spare", "d/spawn",
+            "spawn/spare", "cold/spare", "rebuild", "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
     print(" ".join(f"{h:>9}" for h in head), flush=True)
     results = []
     for n, mb in _configurations(a, 9):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
-            rows = {m: in_memory(n, mb, m, a, Path(tmp)) for m in ("shrink", "spare", "spawn")}
+            rows = {m: in_memory(n, mb, m, a, Path(tmp)) for m in ("shrink", "spare", "spawn", "spawn-cold")}
             rows["restart"] = restart(n, mb, a, Path(tmp))
             flat = steady(n, mb, a, Path(tmp))
         r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat}
         results.append(r)
         d = med(rows["restart"], "total")
-        cells = (n, mb, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn")), d,
+        spare = med(rows["spare"], "total")
+        cells = (n, mb, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn", "spawn-cold")), d,
                  *(d / med(rows[m], "total") for m in ("shrink", "spare", "spawn")),
+                 med(rows["spawn"], "total") / spare, med(rows["spawn-cold"], "total") / spare,
                  med(rows["spare"], "rebuild"), med(rows["spare"], "restore"), med(rows["spare"], "redo"),
                  med(rows["restart"], "teardown"), med(rows["restart"], "relaunch"),
                  med(rows["restart"], "load"), med(rows["restart"], "save"))
@@ -337,19 +345,20 @@ def node_main(a: argparse.Namespace) -> int:
     a.reps = 1
     print(f"node 1 of {a.nodes} simulated nodes killed {a.interval + 7} steps in (commit / checkpoint every "
           f"{a.interval}); kill -> first step past the one the job was on, seconds", flush=True)
-    head = ("ranks", "MB", "tier 2", "restart", "restart/t2", "detect", "relaunch", "attach", "fetch", "resume",
-            "redo", "r:teardown", "r:relaunch", "r:load", "ckpt save")
+    head = ("ranks", "MB", "tier 2", "t2 cold", "restart", "restart/t2", "r/t2 cold", "detect", "relaunch",
+            "attach", "fetch", "resume", "redo", "c:relaunch", "r:teardown", "r:relaunch", "r:load", "ckpt save")
     print(" ".join(f"{h:>10}" for h in head), flush=True)
     results = []
     for n, mb in _configurations(a, 10):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
             tier2 = node_loss(n, mb, a, Path(tmp))
+            cold = node_loss(n, mb, a, Path(tmp), cold=True)
             again = restart(n, mb, a, Path(tmp), nodes=a.nodes)
-        results.append({"ranks": n, "mb": mb, "tier2": tier2, "restart": again})
-        t2, d = med(tier2, "total"), med(again, "total")
-        cells = (n, mb, t2, d, d / t2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
-                                                                  "resume", "redo")),
-                 *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
+        results.append({"ranks": n, "mb": mb, "tier2": tier2, "tier2_cold": cold, "restart": again})
+        t2, c2, d = med(tier2, "total"), med(cold, "total"), med(again, "total")
+        cells = (n, mb, t2, c2, d, d / t2, d / c2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
+                                                                              "resume", "redo")),
+                 med(cold, "relaunch"), *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
         print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
     (a.out / "bench_node_loss.json").write_text(json.dumps({"interval": a.interval, "nodes": a.nodes,
                                                             "results": results}, indent=1))

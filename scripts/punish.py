@@ -125,14 +125,15 @@ def _name(pid: int) -> str:
 
 
 def of_the_job(run_dir: Path) -> list[int]:
-    """Every live process on this machine started for the job (its environment names the run directory)."""
+    """Every live process on this machine started for the job: its environment names the run directory,
+    or (a rank a warm process forked, whose /proc environment is the warm process's) its events do."""
     mark = f"ELASTIC_RUN_DIR={run_dir}".encode()
-    pids = []
+    pids = [e["pid"] for e in events_now(run_dir) if e["event"] in ("started", "spawned") and _alive(e["pid"])]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if mark in (entry / "environ").read_bytes().split(b"\0") and \
-                        (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                if mark in (entry / "environ").read_bytes().split(b"\0") and _alive(int(entry.name)) and \
+                        int(entry.name) not in pids:
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -150,8 +151,7 @@ def victims(scenario: Scenario, launcher: int, run_dir: Path, rng: random.Random
             return []
         return [rng.choice(daemons)]  # the node: its daemon; the caller takes everything under it
     sentinels = [p for p in below if b"elastic.comm._sentinel" in _cmdline(p)]
-    tree = _children()
-    programs = {s: c for s in sentinels for c in tree.get(s, [])}
+    programs = {s: c for s, c in programs_of(run_dir).items() if s in sentinels}
     roles = {}
     for e in events_now(run_dir):
         roles[e["pid"]] = e["role"]
@@ -167,10 +167,26 @@ def victims(scenario: Scenario, launcher: int, run_dir: Path, rng: random.Random
     return [programs[s] for s in chosen]
 
 
-def punish(scenario: Scenario, pids: list[int]) -> None:
+def programs_of(run_dir: Path) -> dict[int, int]:
+    """Each live sentinel of the job -> its program (its child, or forked by a warm process for it:
+    either way the program says which when it joins, ``sentinel_pid``)."""
+    return {e["sentinel_pid"]: e["pid"] for e in events_now(run_dir)
+            if e["event"] in ("started", "spawned") and e.get("sentinel_pid") and _alive(e["pid"])}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def punish(scenario: Scenario, pids: list[int], run_dir: Path) -> None:
     sig = signal.Signals[scenario.signal]
     if scenario.victim == "node":  # frozen first, so nothing on the node reacts to the rest dying
         node = [p for d in pids for p in [d] + descendants(d)]
+        programs = programs_of(run_dir)
+        node += [programs[p] for p in node if p in programs]  # forked by a warm process: not below the daemon
         for each in (signal.SIGSTOP, signal.SIGKILL):
             for p in node:
                 _send(p, each)
@@ -186,16 +202,15 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def stacks(launcher: int) -> str:
+def stacks(run_dir: Path) -> str:
     """Every live rank program's Python stacks (``py-spy dump``, where py-spy is installed)."""
     spy = shutil.which("py-spy")
     if spy is None:
         return "\n[punish] a hang: install py-spy (pip install py-spy) to see where each rank waits\n"
     dumps = []
-    for pid in descendants(launcher):
-        if b"elastic.comm._sentinel" not in _cmdline(pid) and b"examples/train.py" in _cmdline(pid):
-            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-            dumps.append(f"\n[punish] pid {pid}:\n{dump.stdout}{dump.stderr}")
+    for pid in programs_of(run_dir).values():
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        dumps.append(f"\n[punish] pid {pid}:\n{dump.stdout}{dump.stderr}")
     return "".join(dumps)
 
 
@@ -223,11 +238,11 @@ def run_one(scenario: Scenario, run_dir: Path, bound: float, rng: random.Random)
             time.sleep(scenario.delay)  # the drawn moment: the only thing this script knows of the job is time
             hit = victims(scenario, proc.pid, run_dir, rng)
             sent_at = time.monotonic()
-            punish(scenario, hit)
+            punish(scenario, hit, run_dir)
         try:
             rc = proc.wait(timeout=max(bound - (time.monotonic() - t0) - 10, 1))
         except subprocess.TimeoutExpired:  # about to run into its bound: say where every rank is
-            out.write(stacks(proc.pid))
+            out.write(stacks(run_dir))
             try:
                 rc = proc.wait(timeout=70)
             except subprocess.TimeoutExpired:

@@ -115,7 +115,7 @@ def test_any_signal_to_a_sentinel_is_that_ranks_failure_and_no_other(tmp_path, r
     signals = ((1, signal.SIGTERM), (2, signal.SIGSEGV), (3, signal.SIGSTOP), (0, signal.SIGINT))
     for generation, (logical, sig) in enumerate(signals):
         program = _wait_for_step(job_dir, logical=logical, step=10 + 40 * generation, gen=generation)
-        os.kill(_parent(program), sig)
+        os.kill(_sentinel_of(job_dir, program), sig)
     out, _ = proc.communicate(timeout=JOB_TIMEOUT + 30)
     job = Job(proc.returncode, out, job_dir)
     assert_bitwise(job, reference(LONG), "optimizer_sha256")
@@ -393,9 +393,11 @@ def _wait_for_step(run_dir, logical: int, step: int, gen: int = 0) -> int:
     raise AssertionError(f"the job never reached step {step} in generation {gen}")
 
 
-def _parent(pid: int) -> int:
-    """The parent of ``pid``: a rank's sentinel."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+def _sentinel_of(run_dir, pid: int) -> int:
+    """A rank's sentinel: its parent when it started the rank, the one that asked a warm process to fork
+    it otherwise; either way the rank says which when it joins."""
+    return next(e["sentinel_pid"] for e in read_events(run_dir) if e["event"] in ("started", "spawned")
+                and e["pid"] == pid)
 
 
 def _alive(pid: int) -> bool:
