@@ -42,6 +42,7 @@ _PRELOAD = ("numpy", "torch", "xxhash", "networkx", "elastic", "elastic.comm._jo
 _FDS = 4  # stdin, stdout, stderr, the sentinel's page
 _CLONE_NEWNS, _CLONE_NEWUTS = 0x00020000, 0x04000000
 STATUS_SECONDS = 1.0  # how long a sentinel waits for the warm process to say how its child ended
+ANSWER_SECONDS = 30.0  # how long a sentinel waits for the warm process to fork its rank, and it for a request
 
 
 # ------------------------------------------------------------------ the sentinel's side
@@ -82,7 +83,8 @@ class WarmChild:
         a death: an announced exit is on the page anyway."""
         if self.returncode is not None:
             return self.returncode
-        readable, _, _ = select.select([self._pidfd, self._conn] if self._told else [self._pidfd], [], [], timeout)
+        watched = [self._pidfd, self._conn.fileno()] if self._told else [self._pidfd]
+        readable, _, _ = select.select(watched, [], [], timeout)
         if not readable:
             return None
         if self._told and not select.select([self._conn], [], [], STATUS_SECONDS)[0]:
@@ -104,6 +106,7 @@ def start(path: str, command: list[str], env: dict[str, str], page_fd: int) -> t
             or command[1].startswith("-") or not command[1].endswith(".py"):
         return None, f"not a Python script the warm process can run: {' '.join(command[:3])}"
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(ANSWER_SECONDS)  # a warm process that is there but does not answer (stopped): cold
     try:
         conn.connect(path)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd(), "sentinel": os.getpid(),
@@ -113,6 +116,7 @@ def start(path: str, command: list[str], env: dict[str, str], page_fd: int) -> t
         answer = conn.recv(64)
         if not answer.strip().isdigit():
             raise OSError(f"the warm process said {answer[:60]!r}")
+        conn.settimeout(None)
         return WarmChild(conn, int(answer)), ""
     except OSError as exc:
         conn.close()
@@ -138,13 +142,13 @@ def serve(path: str, programs: list[str]) -> NoReturn:
     print(f"[warm] ready at {path}", flush=True)
     while True:
         try:
-            readable, _, _ = select.select([listener, wake_r], [], [])
+            readable, _, _ = select.select([listener.fileno(), wake_r], [], [])
         except InterruptedError:
             continue
         if wake_r in readable:
             os.read(wake_r, 512)
             _reap(children)
-        if listener in readable:
+        if listener.fileno() in readable:
             conn, _ = listener.accept()
             pid = _fork_one(conn, [listener, *children.values()], wake_r, wake_w)
             if pid is not None:
@@ -174,6 +178,7 @@ def _fork_one(conn: socket.socket, others: list[socket.socket], *pipe: int) -> i
     """Read one request and fork its rank; the child never returns from here. ``others``: the
     listener and the other sentinels' connections, which the child must not hold (a sentinel
     learns that the warm process died when its connection closes)."""
+    conn.settimeout(ANSWER_SECONDS)  # a sentinel that connects and says nothing does not stop the others
     try:
         # The descriptors come with the first bytes: read them with the size.
         head, fds, _, _ = conn.recvmsg(4, socket.CMSG_SPACE(_FDS * 4))
@@ -199,7 +204,10 @@ def _fork_one(conn: socket.socket, others: list[socket.socket], *pipe: int) -> i
         _become(request, received, conn)
     for fd in received:
         os.close(fd)
-    conn.sendall(str(pid).encode())
+    try:
+        conn.sendall(str(pid).encode())
+    except OSError:  # the sentinel gave up waiting (and starts its rank cold): this one must not run
+        os.kill(pid, signal.SIGKILL)
     return pid
 
 
@@ -253,6 +261,9 @@ def _exit(code: int) -> NoReturn:
     streams, then the status (never back into the warm process's loop)."""
     import atexit
     try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()  # the program's non-daemon threads, as the interpreter waits for them
         atexit._run_exitfuncs()
     finally:
         try:

@@ -148,6 +148,43 @@ def integrity(events: list[dict]) -> list[str]:
     return lines
 
 
+def start_up(events: list[dict], gen: int, t_failure: float, run_dir: Path | None = None) -> dict[str, float]:
+    """A relaunch's way back by phase, in seconds (issue 30): teardown (the kill -> the lost launch's
+    mpiexec gone, from ``summary.json``), runtime (-> its processes began: the relaunch planned, the
+    daemons started; without ``summary.json`` the two are one, ``down``), process (-> MPI_Init
+    began: an interpreter and its imports, or a fork from the warm process), mpi_init, join (-> the
+    world built), attach (-> the nodes' versions agreed), fetch (-> the state recovered), resume (->
+    the loop goes on). The slowest rank's time at each boundary."""
+    mine = [e for e in events if e.get("gen") == gen]
+    started = [e for e in mine if e["event"] == "started" and "began" in e]
+    if not started:
+        return {}
+    began = max(e["began"] for e in started)
+    mpi_start = max(e["mpi_start"] for e in started)
+    mpi_done = max(e["mpi_start"] + e["mpi_init"] for e in started)
+    joined = max(e["t"] for e in started)
+
+    def last(name: str) -> float | None:
+        times = [e["t"] for e in mine if e["event"] == name]
+        return max(times) if times else None
+    phases: dict[str, float] = {}
+    gone = None
+    if run_dir is not None and (run_dir / "summary.json").exists():
+        launches = json.loads((run_dir / "summary.json").read_text()).get("launches", [])
+        gone = next((x["ended"] for x in launches if "ended" in x and x["ended"] >= t_failure), None)
+    if gone is not None:
+        phases["teardown"], phases["runtime"] = gone - t_failure, min(e["began"] for e in started) - gone
+    else:
+        phases["down"] = min(e["began"] for e in started) - t_failure
+    phases.update({"process": mpi_start - began, "mpi_init": mpi_done - mpi_start, "join": joined - mpi_done})
+    previous = joined
+    for phase, name in (("attach", "store_attached"), ("fetch", "store_recovered"), ("resume", "resumed")):
+        at = last(name)
+        if at is not None:
+            phases[phase], previous = at - previous, at
+    return phases
+
+
 def _relaunch_reason(rebuilt: dict) -> str:
     lost = ", ".join(rebuilt.get("lost_nodes") or []) or "none named"
     moved = [f"{what} {ranks}" for what, ranks in (("on spare nodes:", rebuilt["replaced"]),
@@ -224,6 +261,10 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
     for r in rows:
         causes = "; ".join(c["what"] if c.get("logical") is None else f"logical rank {c['logical']}: {c['what']}"
                            for c in r["causes"])
+        phases = start_up(events, r["gen"], r["t_failure"], run_dir) if r["mode"] == "relaunch" else {}
+        slowest = max(phases, key=lambda k: phases[k]) if phases else ""
+        way = ("; the relaunch by phase (s): " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in phases.items())
+               + f"; slowest: {slowest.replace('_', ' ')}") if phases else ""
         interrupted = "; recovery interrupted by the next failure" if r["interrupted"] else ""
         stages = "; ".join(f"stage {x['stage']}" + (f" of replica {x['replica']}" if x["replica"] is not None else "")
                            + f" by {x['method']}" + (f" from logical {x['sources']}" if x["sources"] else "")
@@ -231,7 +272,7 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
                            for x in r["stages"])
         lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
                      + (f"; died: {causes}" if causes else "") + (f"; rebuilt {stages}" if stages else "")
-                     + interrupted)
+                     + way + interrupted)
     checks = integrity(events)
     if checks:
         lines += ["integrity and stragglers:"] + checks
