@@ -81,6 +81,22 @@ def _session_processes(sid: int, states: str = "") -> list[int]:
     return pids
 
 
+def _children_of(parent: int | None) -> list[int]:
+    """Pids of the live children of ``parent`` (this host; the ranks a warm process forked)."""
+    if parent is None:
+        return []
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
 def _is_sentinel(pid: int) -> bool:
     try:
         return b"elastic.comm._sentinel" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -91,8 +107,9 @@ def _is_sentinel(pid: int) -> bool:
 class Attempt:
     """One mpiexec run of the job, watched to its end (local)."""
 
-    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str], warm: int | None = None) -> None:
         self.plan = plan
+        self.warm = warm  # the warm process's pid: the ranks it forked are this launch's too
         self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
         self.leftovers: list[int] = []
         self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
@@ -123,12 +140,15 @@ class Attempt:
                 self.swept = now
                 self._sweep_stopped_sentinels(now)
             time.sleep(0.1)
-        # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans.
-        # Sentinels may still be writing down how their rank ended when mpiexec is gone: a moment for them.
+        # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans, and
+        # the ranks the warm process forked (outside mpiexec's session; a stopped one cannot act on its
+        # sentinel's death). Sentinels may still be writing down how their rank ended: a moment for them.
+        def left() -> list[int]:
+            return _session_processes(proc.pid) + _children_of(self.warm)
         settle = time.monotonic() + LEFTOVER_SECONDS
-        while _session_processes(proc.pid) and time.monotonic() < settle and proc.poll() is not None:
+        while left() and time.monotonic() < settle and proc.poll() is not None:
             time.sleep(0.05)
-        self.leftovers = _session_processes(proc.pid) + ([proc.pid] if proc.poll() is None else [])
+        self.leftovers = left() + ([proc.pid] if proc.poll() is None else [])
         for pid in self.leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)

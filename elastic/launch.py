@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if warm is None:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
-        _launch_until_done(plan, agent, memory, done, got)
+        _launch_until_done(plan, agent, memory, done, got, warm.pid if warm is not None else None)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -142,7 +142,8 @@ def _asks_cold(program: str) -> bool:
         return False
 
 
-def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done: _Launches, got: list[int]) -> None:
+def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done: _Launches, got: list[int],
+                       warm: int | None = None) -> None:
     """Run mpiexec, and again from the nodes' memory while the job ends unfinished with a node lost
     and relaunches are left."""
     deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
@@ -155,7 +156,7 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         if not plan.quiet:
             print(f"[launch] {' '.join(cmd)}", flush=True)
         done.times.append({"launched": time.time()})
-        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config))
+        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config), warm)
         if got:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)
