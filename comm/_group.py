@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Protocol
 
-import numpy as np
-
 from ._config import Config
 from ._errors import Unrecoverable, agreed
 from ._ranks import CurrentRank, LogicalRank, Role
 from .faults import Injection
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ._rebuild import Rebuild
 
 

@@ -18,13 +18,23 @@ MPI, and torch is imported only to give back a tensor a peer sent.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import sys
-from typing import Any, Callable, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ._errors import ConfigError, ProtocolError
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    class _Numpy:
+        """numpy, imported on first use: the sentinel, which must start fast (it starts every spawned
+        replacement), reads its configuration through this module and never sends an array."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("numpy"), name)
+    np = _Numpy()
 
 SCHEMA = 1
 _LEAVES = (type(None), bool, int, float, str)
