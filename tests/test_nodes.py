@@ -18,7 +18,7 @@ from elastic import _nodes, launch as launcher
 from elastic.comm import Config, ConfigError
 from elastic.comm._config import Relaunch
 from elastic.recovery._placement import Layout, pieces
-from elastic.report import timeline
+from elastic.report import format_report, start_up, timeline
 
 TRAIN = ("examples/train.py",)
 
@@ -206,6 +206,13 @@ def test_two_nodes_lost_one_after_the_other_the_second_a_spare_node_fast_steps(t
     assert "relaunch 1 of 2 on node0, node2" in job.output and "relaunch 2 of 2 on node0, node3" in job.output
     rows = [r for r in timeline(job.events) if r["mode"] == "relaunch"]  # the report shows each as a recovery
     assert len(rows) == 2 and all(r["failed"] == [2, 3] and r["down"] > 0 and r["restore"] > 0 for r in rows)
+    # Every relaunched rank, on a surviving node and on the spare ones, forked from the warm process;
+    # the report names each relaunch's phases and the slowest.
+    assert [e["warm"] for e in job.of("started")] == [True] * 12
+    phases = [start_up(job.events, r["gen"], r["t_failure"], job.run_dir) for r in rows]
+    assert all(list(p) == ["teardown", "runtime", "process", "mpi_init", "join", "attach", "fetch", "resume"]
+               and all(v >= 0 for v in p.values()) for p in phases), phases
+    assert format_report(job.run_dir).count("the relaunch by phase (s): teardown") == 2
 
 
 @pytest.mark.fault
