@@ -129,6 +129,11 @@ def serve(path: str, programs: list[str]) -> NoReturn:
     returns; SIGTERM ends it). Single-threaded: a fork from a process with threads may inherit a
     lock held by one of them."""
     preload(programs)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        print("[warm] not serving: CUDA was initialised while importing the program's modules, and a forked "
+              "process cannot use it", flush=True)
+        os._exit(1)
     children: dict[int, socket.socket] = {}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(path):

@@ -127,6 +127,7 @@ def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | N
         proc.kill()
         proc.wait()
         notes.append(f"no warm process ({ready.strip() or 'it ended'}): every rank started cold")
+        print(f"[launch] {notes[-1]}", flush=True)
         return None
     return proc
 

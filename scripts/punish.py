@@ -53,7 +53,7 @@ HANG_TIMEOUT = 3
 VICTIMS = ("rank", "rank", "sentinel", "sentinel", "spare", "pair", "launcher", "node")
 SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGSEGV", "SIGINT", "SIGABRT", "SIGHUP")
 STOPS = ("SIGTERM", "SIGINT", "SIGHUP")
-WINDOW = 2.0  # seconds after the first step in which the signal is sent
+WINDOW = 0.8  # the signal comes this share of a failure-free run's training time after the first step, at most
 SHRINK_TOLERANCE = 0.05  # relative, on the final loss after a shrink (with the batches checked step by step)
 
 
@@ -71,11 +71,14 @@ class Scenario:
         return out + (["--simulate-nodes", "2", "--spare-nodes", "1"] if self.victim == "node" else [])
 
 
-def draw(rng: random.Random) -> Scenario:
+def draw(rng: random.Random, training_seconds: float) -> Scenario:
+    """One scenario; its delay falls while a failure-free run would still be training (its steps
+    take milliseconds, and ranks forked from the warm process start at once: a fixed window of
+    seconds missed most jobs)."""
     victim = rng.choice(VICTIMS)
     sig = rng.choice(STOPS if victim == "launcher" else ("SIGKILL",) if victim == "node" else SIGNALS)
     mode = "spare" if victim in ("spare", "node") else rng.choice(("spare", "spawn", "shrink"))
-    return Scenario(victim, sig, mode, round(rng.uniform(0, WINDOW), 3))
+    return Scenario(victim, sig, mode, round(rng.uniform(0, WINDOW * training_seconds), 3))
 
 
 # ---------------------------------------------------------------------------- the job's processes
@@ -301,7 +304,8 @@ def reference(work: Path) -> dict:
                           capture_output=True, text=True, timeout=360)
     if proc.returncode != 0:
         raise SystemExit(f"the failure-free run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
-    return {**(read_result(run_dir) or {}),
+    steps = [e["t"] for e in read_events(run_dir) if e["event"] == "step"]
+    return {**(read_result(run_dir) or {}), "training_seconds": max(steps) - min(steps),
             "samples": {s: e["samples"] for s, e in final_steps(read_events(run_dir)).items()}}
 
 
@@ -319,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(work)
     rows = []
     for i in range(args.runs):
-        scenario = draw(rng)
+        scenario = draw(rng, ref["training_seconds"])
         while args.victims and scenario.victim not in args.victims:
-            scenario = draw(rng)
+            scenario = draw(rng, ref["training_seconds"])
         run_dir = work / f"run-{i}"
         got = run_one(scenario, run_dir, args.bound, rng)
         verdict, detail = check(scenario, got, run_dir, ref)
