@@ -60,6 +60,23 @@ def _finite(array: np.ndarray) -> bool:
     return all(bool(np.isfinite(flat[i:i + (1 << 20)]).all()) for i in range(0, flat.size, 1 << 20))
 
 
+def my_share(arrays: Mapping[str, np.ndarray], shared: Sequence[str], rank: int, size: int) -> dict[str, np.ndarray]:
+    """What this rank scans for NaN / Inf (local; the same split on every rank): its own values all,
+    and of the values every rank holds alike (``shared``, compared by fingerprint anyway) its part:
+    each, largest first, to the rank that has the fewest bytes so far, so that each is scanned once
+    in the job and no rank scans much more than 1/size of their bytes."""
+    import heapq
+    alike = set(shared)
+    load = [(0, r) for r in range(min(size, len(alike)))]
+    mine = set()
+    for name in sorted(alike & set(arrays), key=lambda n: (-arrays[n].nbytes, n)):
+        nbytes, owner = heapq.heappop(load)
+        if owner == rank:
+            mine.add(name)
+        heapq.heappush(load, (nbytes + arrays[name].nbytes, owner))
+    return {n: a for n, a in arrays.items() if n not in alike or n in mine}
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the gathered gate documents say, the same on every rank."""

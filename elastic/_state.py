@@ -26,7 +26,7 @@ from elastic.comm import ConfigError, Group, Outlook, ProcessFailure, Unrecovera
 from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum, share
 
 from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
-from ._integrity import NonFinite, Stragglers, digest, nonfinite_values, verdict
+from ._integrity import NonFinite, Stragglers, digest, my_share, nonfinite_values, verdict
 
 _LOG = logging.getLogger("elastic")
 INDEX = "__handlers__"  # a committed JSON document: each value's name and its handler's label
@@ -466,11 +466,13 @@ class State:
         raises ``NonFinite`` everywhere (``elastic.run`` rolls back); ranks whose shared values
         differ from a strict majority's are fenced (they fail, the others recover and roll back, a
         replacement gets the majority's values); with no majority, ``CommitRejected`` everywhere.
-        Cost: the fingerprints (XXH3) and the non-finite scan, ~4 ms each per 128 MB here."""
+        Cost: the fingerprints (XXH3, ~4-5 GB/s) and the non-finite scan (~13 GB/s) of this rank's
+        share: its own values, and 1/size of those every rank holds alike (``my_share``)."""
         world = self._world
         sums = self._fingerprints(arrays)
+        share = my_share({n: a for n, a in arrays.items() if n != INDEX}, list(sums), int(world.rank), world.size)
         document = {"digest": digest(sums), "seen": list(self._seen) if self._seen else None,
-                    "values": nonfinite_values({n: a for n, a in arrays.items() if n != INDEX})}
+                    "values": nonfinite_values(share)}
         everyone = world.allgather(document)
         if any(d["digest"] != everyone[0]["digest"] for d in everyone):  # rare: which values, on whom
             everyone = [{**d, "sums": s} for d, s in zip(everyone, world.allgather(sums))]

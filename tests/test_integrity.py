@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bitwise, fault, launch
-from elastic._integrity import Stragglers, digest, nonfinite_values, verdict
+from elastic._integrity import Stragglers, digest, my_share, nonfinite_values, verdict
 from elastic.report import format_report
 
 TRAIN = ("examples/train.py",)
@@ -58,6 +58,18 @@ def test_the_non_finite_scan_names_values_and_is_not_fooled_by_an_overflowing_su
     arrays = {"ok": np.ones(10, np.float32), "big": big, "nan": np.array([1.0, np.nan]), "inf": np.array([-np.inf]),
               "half": np.array([np.inf], np.float16), "ints": np.arange(3), "loss": np.array(np.nan)}
     assert sorted(nonfinite_values(arrays)) == ["half", "inf", "nan"]  # a 0-d NaN is "none yet", not looked at
+
+
+def test_each_value_every_rank_holds_alike_is_scanned_once_in_the_job_and_own_values_by_their_rank():
+    arrays = {f"model.{i}": np.zeros(1000 * (i + 1), np.float32) for i in range(10)}
+    arrays["rng.torch"] = np.zeros(5000, np.uint8)  # a rank's own value
+    shared = [n for n in arrays if n.startswith("model.")]
+    shares = [my_share(arrays, shared, rank, 4) for rank in range(4)]
+    scanned = [n for share in shares for n in share if n in shared]
+    assert sorted(scanned) == sorted(shared)                      # each once
+    assert all("rng.torch" in share for share in shares)          # its own, on every rank
+    sizes = [sum(a.nbytes for n, a in share.items() if n in shared) for share in shares]
+    assert max(sizes) <= 1.2 * min(sizes), sizes                  # largest first, to the least loaded
 
 
 def test_one_slow_step_is_never_a_straggler_a_streak_is():
