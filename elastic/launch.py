@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -122,7 +123,10 @@ def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | N
     proc = subprocess.Popen([sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket,
                              *programs], stdout=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **job_env(plan.config)})  # its own session: no terminal's ^C
-    ready = proc.stdout.readline() if proc.stdout is not None else ""
+    assert proc.stdout is not None
+    # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
+    ready = proc.stdout.readline() if select.select([proc.stdout], [], [], WARM_START_SECONDS)[0] else \
+        f"not ready after {WARM_START_SECONDS:g} s"
     if not ready.startswith("[warm] ready"):
         proc.kill()
         proc.wait()
@@ -133,6 +137,7 @@ def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | N
 
 
 COLD_PRAGMA = "# elastic: cold-start"  # a program that must not be forked from a warm process says so
+WARM_START_SECONDS = 120.0  # what one cold start of a rank takes, and more
 
 
 def _asks_cold(program: str) -> bool:
