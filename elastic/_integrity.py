@@ -15,6 +15,7 @@ Pure logic, no MPI: tested in process (``tests/test_unit.py``).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Any, Mapping, Sequence
 
@@ -65,7 +66,6 @@ def my_share(arrays: Mapping[str, np.ndarray], shared: Sequence[str], rank: int,
     and of the values every rank holds alike (``shared``, compared by fingerprint anyway) its part:
     each, largest first, to the rank that has the fewest bytes so far, so that each is scanned once
     in the job and no rank scans much more than 1/size of their bytes."""
-    import heapq
     alike = set(shared)
     load = [(0, r) for r in range(min(size, len(alike)))]
     mine = set()
@@ -141,35 +141,32 @@ class Stragglers:
 
     def __init__(self, factor: float, steps: int) -> None:
         self.factor, self.steps = factor, steps
-        self._streak: dict[int, int] = {}
-        self._ratios: dict[int, list[float]] = {}
+        self._streaks: dict[int, list[float]] = {}  # rank -> its ratios to the median, steps in a row
         self._generation = -1
 
     def reset(self) -> None:
         """Every streak starts again (after a straggler that could not be evicted was told)."""
-        self._streak.clear()
-        self._ratios.clear()
+        self._streaks.clear()
 
     def observe(self, generation: int, ranks: Sequence[int], seconds: Sequence[float]
                 ) -> tuple[int, float, float] | None:
         """The rank to evict, with its mean ratio to the median over the streak and the median
         seconds, once a streak reaches ``steps``; None otherwise. A new generation starts afresh."""
         if generation != self._generation:
-            self._generation, self._streak, self._ratios = generation, {}, {}
+            self._generation, self._streaks = generation, {}
         median = float(np.median(seconds))
         if median <= 0:
             return None
         worst: tuple[int, float, float] | None = None
         for rank, s in zip(ranks, seconds):
             ratio = s / median
-            if ratio >= self.factor:
-                self._streak[rank] = self._streak.get(rank, 0) + 1
-                self._ratios.setdefault(rank, []).append(ratio)
-            else:
-                self._streak.pop(rank, None)
-                self._ratios.pop(rank, None)
-            if self._streak.get(rank, 0) >= self.steps:
-                mean = sum(self._ratios[rank][-self.steps:]) / self.steps
+            if ratio < self.factor:
+                self._streaks.pop(rank, None)
+                continue
+            streak = self._streaks.setdefault(rank, [])
+            streak.append(ratio)
+            if len(streak) >= self.steps:
+                mean = sum(streak[-self.steps:]) / self.steps
                 if worst is None or mean > worst[1]:
                     worst = (rank, mean, median)
         return worst

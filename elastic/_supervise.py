@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS
 from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
@@ -66,25 +66,9 @@ class _Output(threading.Thread):
             self.sink.flush()
 
 
-def _session_processes(sid: int, states: str = "") -> list[int]:
-    """Pids of the live processes still in session ``sid`` (this host only; zombies are already dead);
-    ``states``: only those in one of these states (``"Tt"``: stopped)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != sid:
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z" and (not states or fields[0] in states):
-                pids.append(int(entry.name))  # state, then (after ppid, pgrp) the session
-    return pids
-
-
-def _children_of(parent: int | None) -> list[int]:
-    """Pids of the live children of ``parent`` (this host; the ranks a warm process forked)."""
-    if parent is None:
-        return []
+def _processes(match: Callable[[int, list[str]], bool]) -> list[int]:
+    """Pids of the live processes on this host (zombies are already dead) that ``match(pid, fields)``,
+    the fields of /proc/PID/stat after the name: state, ppid, pgrp, session, ..."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -92,9 +76,20 @@ def _children_of(parent: int | None) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == parent and fields[0] != "Z":
+            if fields[0] != "Z" and match(int(entry.name), fields):
                 pids.append(int(entry.name))
     return pids
+
+
+def _in_session(sid: int, pid: int, fields: list[str]) -> bool:
+    """Process ``pid`` is in session ``sid`` (its leader aside)."""
+    return pid != sid and int(fields[3]) == sid
+
+
+def _session_processes(sid: int, states: str = "") -> list[int]:
+    """Pids of the live processes still in session ``sid``; ``states``: only those in one of these
+    states (``"Tt"``: stopped)."""
+    return _processes(lambda pid, fields: _in_session(sid, pid, fields) and (not states or fields[0] in states))
 
 
 def _is_sentinel(pid: int) -> bool:
@@ -143,8 +138,9 @@ class Attempt:
         # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans, and
         # the ranks the warm process forked (outside mpiexec's session; a stopped one cannot act on its
         # sentinel's death). Sentinels may still be writing down how their rank ended: a moment for them.
-        def left() -> list[int]:
-            return _session_processes(proc.pid) + _children_of(self.warm)
+        def left() -> list[int]:  # one pass over /proc: mpiexec's session, the warm process's children
+            return _processes(lambda pid, fields: _in_session(proc.pid, pid, fields) or
+                              (self.warm is not None and int(fields[1]) == self.warm))
         settle = time.monotonic() + LEFTOVER_SECONDS
         while left() and time.monotonic() < settle and proc.poll() is not None:
             time.sleep(0.05)
