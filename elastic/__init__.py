@@ -27,13 +27,16 @@ if TYPE_CHECKING:
     from elastic.recovery import DataLost, Policy
 
     from ._loop import GlobalBatches, allreduce_gradients, device, init, micro_batches, run
-    from ._state import State, StepClock, TorchState
+    from ._clock import StepClock
+    from ._state import State
+    from ._torchstate import TorchState
 
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(globals(), {
     "init": "._loop", "run": "._loop", "allreduce_gradients": "._loop", "GlobalBatches": "._loop",
-    "micro_batches": "._loop", "device": "._loop", "State": "._state", "TorchState": "._state", "StepClock": "._state",
+    "micro_batches": "._loop", "device": "._loop", "State": "._state", "TorchState": "._torchstate",
+    "StepClock": "._clock",
     "World": "elastic.comm", "Rebuild": "elastic.comm", "DataLost": "elastic.recovery", "Policy": "elastic.recovery",
 })
 

@@ -13,6 +13,7 @@ from elastic.comm import (
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
+from ._gate import OnNonFinite
 from ._integrity import NonFinite
 from ._state import State
 
@@ -48,7 +49,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,
-        on_reset: Callable[[World, Rebuild], None] | None = None, on_nonfinite: str | None = None) -> Any:
+        on_reset: Callable[[World, Rebuild], None] | None = None, on_nonfinite: OnNonFinite | str | None = None) -> Any:
     """Decorate ``func(world, state, ...)`` so that it survives the loss of ranks.
 
     The contract, on every active rank: *sync* (everyone starts from the same
@@ -82,8 +83,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
         return functools.partial(run, max_failures=max_failures, on_reset=on_reset, on_nonfinite=on_nonfinite)
     if max_failures is not None and max_failures < 0:
         raise ConfigError(f"max_failures={max_failures}: give a whole number >= 0")
-    if on_nonfinite not in (None, "rollback", "skip", "stop"):
-        raise ConfigError(f"on_nonfinite={on_nonfinite!r}: give 'rollback', 'skip' or 'stop'")
+    mode = None if on_nonfinite is None else OnNonFinite.of(on_nonfinite)
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
@@ -109,7 +109,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 world.finish()
                 return result
             except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
-                state._roll_back(exc, on_nonfinite or world.job.settings.on_nonfinite)
+                state._roll_back(exc, mode or world.job.settings.on_nonfinite)
             except Exception as exc:
                 if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
                     raise

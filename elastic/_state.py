@@ -1,93 +1,39 @@
 """State that rolls back together: named values, committed to peers' memory, restored after a failure.
 
 ``State`` holds values by name, each through the handler of its kind
-(``_handlers``); ``TorchState`` adds a model, an optimizer and the RNG states
-as three more handlers. Values every rank holds alike (the data-parallel model
+(``_handlers``); ``TorchState`` (``_torchstate``) adds a model, an optimizer
+and the RNG states as three more handlers. Values every rank holds alike (the data-parallel model
 and optimizer) are never copied to peers: each rank keeps its own roll-back
 copy, and a replacement gets them from the survivors
 (``elastic.recovery.share``). Rank-unique values (``local``: the RNG states, a
 shard) are replicated through ``elastic.recovery.ReplicatedStore``.
-``commit()`` is the multi-step recovery point; ``per_step=True`` makes every
-optimizer step one (``step_point``): the shared values' recovery point is then
-the live values themselves, no copy at all. ``restore()`` rolls back, and
-after a shrink gives this rank handlers for the values it took over.
-``elastic.run`` calls the rest (``_recover``, ``sync``).
+
+At the step boundary ``State`` makes a frozen ``Capture`` of its values and the
+stages take it, each one job in its own module: the integrity gate (``_gate``),
+the recovery point (``_points``: every commit or every step), stragglers
+(``_stragglers``) and injected data faults (``_datafaults``), the last two
+present only when set. ``restore()`` rolls back, and after a shrink gives this
+rank handlers for the values it took over. ``elastic.run`` calls the rest
+(``_recover``, ``sync``, ``_roll_back``).
 """
 from __future__ import annotations
 
-import logging
-import math
 import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Group, Outlook, ProcessFailure, Unrecoverable, agreed, wire
-from elastic.recovery import Adopt, CommitRejected, NothingCommitted, ReplicatedStore, checksum, share
+from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
+from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore, share
 
-from ._handlers import Handler, Held, Module, Rng, Stateful, adopted, for_value
-from ._integrity import NonFinite, Stragglers, digest, my_share, nonfinite_values, verdict
-
-_LOG = logging.getLogger("elastic")
-INDEX = "__handlers__"  # a committed JSON document: each value's name and its handler's label
-
-
-class StepClock:
-    """Times training steps: an event per step on rank 0, a progress line, the outlook for the policy.
-
-    Local. A step's duration counts from the previous step or from the last
-    ``restart()`` (the end of a recovery), so recovery time is never taken for
-    training time. ``outlook`` (seconds per step, smoothed; steps left) is what
-    ``elastic.run`` hands to ``World.recover`` for the rebuild policy. The
-    progress line (logger ``elastic``, INFO) comes every ``progress_every``
-    steps and/or ``progress_seconds`` seconds (the configuration's), and at
-    the last step.
-    """
-
-    def __init__(self, world: Group) -> None:
-        self._world = world
-        self._last: float | None = None
-        self._waited = 0.0  # the world's waiting at the last step's end
-        self._shown = time.monotonic()
-        self.outlook = Outlook()
-
-    def restart(self) -> None:
-        self._last, self._waited = time.perf_counter(), self._world.job.waited
-
-    def own_work(self) -> float:
-        """Seconds of this step so far that this rank did not spend waiting for its peers (local)."""
-        if self._last is None:
-            return 0.0
-        return max(time.perf_counter() - self._last - (self._world.job.waited - self._waited), 0.0)
-
-    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> float:
-        """Returns the step's own work (``own_work``)."""
-        own = self.own_work()
-        now = time.perf_counter()
-        seconds = now - self._last if self._last is not None else 0.0
-        self._last, self._waited = now, self._world.job.waited
-        before = self.outlook.step_seconds
-        self.outlook = Outlook(seconds if before is None else 0.8 * before + 0.2 * seconds,
-                               max(total - step, 0) if total is not None else self.outlook.remaining_steps)
-        world = self._world
-        if world.rank == 0:
-            world.events.emit("step", step=step, loss=loss, seconds=seconds, size=world.size, **metrics)
-            if self._due(step, total) and _LOG.isEnabledFor(logging.INFO):
-                of = f"/{total}" if total else ""
-                shown = f" loss {loss:.5f}" if loss is not None else ""
-                rate = 1 / max(self.outlook.step_seconds or 0.0, 1e-9)
-                _LOG.info("[train] step %s%s%s  %.1f steps/s  %d ranks  generation %d", step, of, shown, rate,
-                          world.size, world.generation)
-        return own
-
-    def _due(self, step: int, total: int | None) -> bool:
-        config, now = self._world.job.settings, time.monotonic()
-        due = step == total or bool(config.progress_every and step % config.progress_every == 0) or \
-            bool(config.progress_seconds and now - self._shown >= config.progress_seconds)
-        if due:
-            self._shown = now
-        return due
-
+from ._capture import INDEX, Capture, is_local
+from ._clock import StepClock
+from ._datafaults import data_faults
+from ._gate import Gate, OnNonFinite, fingerprints
+from ._handlers import Handler, Held, adopted, for_value
+from ._integrity import NonFinite, digest
+from ._points import recovery_point
+from ._stragglers import straggler_watch
 
 class State:
     """Named values that are committed and rolled back together. Create on every active rank.
@@ -116,30 +62,19 @@ class State:
     def __init__(self, world: Group, *, replication: int = 2, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
                  keep_versions: int | None = None, **values: Any) -> None:
-        if per_step and world.job.settings.node_store:
-            raise ConfigError("per_step=True keeps the values every rank shares only in the processes' memory, "
-                              "and a tier-2 relaunch (node_store) starts new ones: use per_step=False with "
-                              "node_store (each commit then keeps them in node memory)")
         self._world = world
         keep = world.job.settings.keep_versions if keep_versions is None else keep_versions
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
-        self._per_step = per_step
+        self._point = recovery_point(world, per_step)
         self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
-        self._in_step = False       # per step: between a step point and the step's end (record_step)
-        self._calls_at_point = 0    # world.job.collectives right after the last step point
         self._adopt = adopt
         self._local = frozenset(local) | {INDEX}
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world)
-        # The integrity gate (``_gate``): the first step since the last commit whose loss or gradient
-        # norm was not finite, the steps dropped for it (on_nonfinite="skip"), roll-backs in a row.
-        self._seen: tuple[int, str] | None = None
-        self._dropped: set[int] = set()
-        self._rollbacks: list[int | None] = []
-        settings = world.job.settings
-        self._stragglers = Stragglers(settings.straggler_factor, settings.straggler_steps) \
-            if settings.straggler_factor else None
+        self._gate = Gate(world)
+        self._stragglers = straggler_watch(world)
+        self._data_faults = data_faults(world)
         for name, value in values.items():
             self[name] = value
 
@@ -202,14 +137,13 @@ class State:
                 nothing is replaced, the last version stays current on every rank.
             ProcessFailure: a rank died; the last version stays current everywhere.
         """
-        arrays = self._capture()
-        self._gate(arrays)
-        shared = [name for name in arrays if not self._is_local(name)]
-        if self._per_step:  # the live values are their recovery point
-            arrays, shared = {name: a for name, a in arrays.items() if self._is_local(name)}, []
-        self._store.commit(arrays, self._next_version(), unreplicated=shared)  # in the own payload only
-        self._holds_shared, self._in_step = True, False
-        self._seen, self._rollbacks = None, []
+        capture = self._capture()
+        self._gate.check(capture, self._next_version())
+        arrays, unreplicated = self._point.stored(capture)
+        self._store.commit(arrays, self._next_version(), unreplicated=unreplicated)  # in the own payload only
+        self._holds_shared = True
+        self._point.committed()
+        self._gate.passed()
 
     def step_point(self) -> None:
         """The recovery point of the step in flight (collective over the active ranks); with
@@ -228,15 +162,7 @@ class State:
         ``ConfigError`` on every rank, since a failure inside it would leave the bookkeeping
         after it undone on some ranks.
         """
-        if not self._per_step:
-            raise ConfigError("step_point() is the per-step recovery point: make the State with per_step=True "
-                              "(or call commit(), the multi-step one)")
-        if self._in_step:
-            raise ConfigError("per_step: two step points without record_step() between them; end every step with "
-                              "state.record_step(step) (it marks where the step's update is complete)")
-        arrays = {name: a for name, a in self._capture().items() if self._is_local(name)}
-        self._store.commit(arrays, self._next_version())
-        self._in_step, self._calls_at_point = True, self._world.job.collectives
+        self._point.step_point(self._capture(), lambda arrays: self._store.commit(arrays, self._next_version()))
 
     def _next_version(self) -> int:
         return 0 if self.version is None else self.version + 1
@@ -253,8 +179,8 @@ class State:
                 self._apply(self._store.restore_owner(owner), adopting=True)
         own = self._store.restore()
         self._apply(own)
-        self._seen = None  # the steps it saw are undone
-        if not self._per_step:
+        self._gate.forget()  # the steps it saw are undone
+        if self._point.restores_shared:
             # The shared values roll back from the own payload, which lacks them on a replacement that
             # has not committed since it joined: it must get them again (``_share``), not keep its live
             # ones, which later steps changed. (A relaunch finds them in node memory.)
@@ -269,14 +195,14 @@ class State:
         After a recovery: checks that every rank restored the same version.
         """
         world = self._world
-        told = world.allgather((self.version, sorted(self._dropped)))
+        told = world.allgather((self.version, sorted(self._gate.dropped)))
         versions = [version for version, _ in told]
-        self._dropped.update(int(step) for _, dropped in told for step in dropped)  # a replacement learns them
+        self._gate.dropped.update(int(step) for _, dropped in told for step in dropped)  # a replacement learns them
         if len(set(versions)) != 1:
             raise agreed(Unrecoverable(f"ranks restored different versions {versions}: the store's agreement broke "
                                        "(a bug, please report it)"))
         if versions[0] is None:
-            everyone = world.allgather(digest(self._fingerprints(self._shared_values())))  # O(1) a rank
+            everyone = world.allgather(digest(fingerprints(self._capture().shared)))  # O(1) a rank
             first = everyone[world.job.first_survivor]
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
@@ -301,80 +227,23 @@ class State:
         what it waited for its peers) is gathered here (one small all-gather), and a rank that
         many times slower than the median for ``ELASTIC_STRAGGLER_STEPS`` steps in a row is
         evicted like a failed rank: call it on every rank then."""
-        if self._in_step and self._world.job.collectives != self._calls_at_point:
-            raise agreed(ConfigError(  # every rank runs the same code: every rank stops here alike
-                "per_step: a collective ran between the step point (optimizer.step()) and record_step(); a "
-                "failure inside it would leave the step half ended on some ranks. Do the step's collectives "
-                "(the loss all-reduce, logging) before optimizer.step(), or after record_step(), or use "
-                "per_step=False"))
-        self._in_step = False
-        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
-            if value is not None and self._seen is None and not math.isfinite(value):
-                self._seen = (step, what)
-        world = self._world
-        world.fault_point(step, implied=True)
-        if world.job.data_fault("bitflip"):
-            self._flip_a_bit(step)
-        slow = world.job.data_fault("slow")
-        if slow:  # an injected straggler: X times this step's own work in all
-            time.sleep((slow.factor - 1) * self._clock.own_work())
+        self._point.step_ended()
+        self._gate.saw(step, loss, grad_norm)
+        self._world.fault_point(step, implied=True)
+        if self._data_faults is not None:
+            self._data_faults.step_ending(step, self._handlers, self._local, self._clock.own_work)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         own = self._clock.step_done(step, loss, total, **metrics)
         if self._stragglers is not None:
-            self._watch_stragglers(step, own)
+            self._stragglers.step_ended(step, own)
 
     def dropped(self, step: int) -> bool:
         """True when the integrity gate dropped the step that ends at ``step`` (the number
         ``record_step`` gets for it), with ``on_nonfinite="skip"`` (local). A loop that allows
         skipping asks at its top, ``if state.dropped(state.step + 1): state.step += 1; continue``:
         the step's batch is not used, nothing is computed or drawn from an RNG."""
-        return step in self._dropped
-
-    def _watch_stragglers(self, step: int, own: float) -> None:
-        """Gather every rank's own work of this step; evict a straggler when the detector says so
-        and the job can fill its place (collective; the same decision on every rank)."""
-        assert self._stragglers is not None
-        world = self._world
-        ranks = [int(r) for r in world.logical_ranks]
-        found = self._stragglers.observe(world.generation, ranks, world.allgather(float(own)))
-        if found is None:
-            return
-        rank, ratio, median = found
-        settings = world.job.settings
-        fill = world.job.spares > 0 or "spawn" in settings.rebuild or \
-            ("shrink" in settings.rebuild and world.size - 1 >= settings.min_size)
-        why = (f"logical rank {rank} is a straggler: its own work per step was {ratio:.1f}x the median "
-               f"({median * 1e3:.1f} ms) for {self._stragglers.steps} steps in a row (factor "
-               f"{self._stragglers.factor:g})")
-        world.events.emit("straggler", rank=rank, ratio=ratio, median_seconds=median, steps=self._stragglers.steps,
-                          step=step, evicted=fill)
-        if not fill:  # said once per streak: the streak starts again
-            self._stragglers.reset()
-            _LOG.warning("[integrity] %s; not evicted: no spare is parked and the rebuild modes %s allow no "
-                         "replacement", why, "/".join(settings.rebuild))
-            return
-        if rank == int(world.logical_rank):
-            world.job.fail("straggler", why + ": evicted")
-        raise ProcessFailure(why + ": evicted")
-
-    def _flip_a_bit(self, step: int) -> None:
-        """An injected silent corruption: one bit of this rank's first shared floating array (a
-        model's, where there is one), flipped in the live value (local)."""
-        for name in sorted(self._handlers):
-            handler = self._handlers[name]
-            if self._is_local(name) or name == INDEX:
-                continue
-            arrays = {k: np.array(a) for k, a in handler.capture(name).items()}
-            floating = [k for k in sorted(arrays) if np.issubdtype(arrays[k].dtype, np.floating) and arrays[k].ndim]
-            key = floating[0] if floating else None
-            if key is None:
-                continue
-            bits = arrays[key].reshape(-1).view(np.uint8)
-            bits[1] ^= 0x10  # a low mantissa bit of the first element: finite, small, silent
-            handler.apply(name, arrays)
-            self._world.events.emit("bitflip", value=key, step=step)
-            return
+        return step in self._gate.dropped
 
     # ------------------------------------------------------------ internals
     def _recover(self) -> None:
@@ -393,25 +262,21 @@ class State:
         world = self._world
         ranks = [int(r) for r in world.logical_ranks]
         lacking = [r for r, holds in zip(ranks, world.allgather(self._holds_shared)) if not holds]
-        self._in_step = False  # a failure between a step point and the step's end: only local work was left
+        self._point.interrupted()
         if lacking:
             self._share_to(lacking)
 
     def _share_to(self, lacking: list[int]) -> None:
         """The shared values from the other active ranks to the logical ranks ``lacking`` (collective)."""
-        mine = None if int(self._world.logical_rank) in lacking else self._shared_values()
+        mine = None if int(self._world.logical_rank) in lacking else self._capture().shared
         got = share(self._world, mine, lacking)
         if got is not None:  # the kinds of values it has no handler for yet: from its own index, recovered
             index = self._store.restore().get(INDEX) if self.version is not None else None
             self._apply(got if index is None else {**got, INDEX: index})
             self._holds_shared = True
 
-    def _shared_values(self) -> dict[str, np.ndarray]:
-        """The values every rank holds alike, as arrays (local; views of the live values)."""
-        return {name: a for name, a in self._capture().items() if not self._is_local(name)}
-
     def _is_local(self, name: str) -> bool:
-        return name in self._local or name.split(".", 1)[0] in self._local
+        return is_local(name, self._local)
 
     def _own(self, name: str, handler: Handler) -> None:
         """A value the State keeps for itself (a model, the RNGs): committed, not in ``names()``."""
@@ -420,12 +285,13 @@ class State:
                               "choose another")
         self._handlers[name] = handler
 
-    def _capture(self) -> dict[str, np.ndarray]:
+    def _capture(self) -> Capture:
+        """Every value as arrays, with the index of their handlers (local; views of the live values)."""
         labels = {name: handler.label for name, handler in self._handlers.items()}
         arrays = {INDEX: wire.split(labels, "the State's index")[0]}
         for name, handler in self._handlers.items():
             arrays.update(handler.capture(name))
-        return arrays
+        return Capture(arrays, self._local)
 
     def _apply(self, arrays: Mapping[str, np.ndarray], adopting: bool = False) -> None:
         """Take the values in ``arrays`` (read-only views of the store), each through its handler;
@@ -455,160 +321,6 @@ class State:
             groups.setdefault(name, {})[key] = array
         return groups
 
-    def _fingerprints(self, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
-        """Each shared value's dtype, shape and checksum (local; XXH3, 4-5 GB/s per rank here)."""
-        return {name: f"{a.dtype.str}:{list(a.shape)}:{checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8))}"
-                for name, a in arrays.items() if not self._is_local(name)}
-
-    def _gate(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """The integrity gate before a version becomes current (collective: the commit's one exchange
-        of fingerprints). Every rank reads the same documents to the same ``Verdict``: a NaN / Inf
-        raises ``NonFinite`` everywhere (``elastic.run`` rolls back); ranks whose shared values
-        differ from a strict majority's are fenced (they fail, the others recover and roll back, a
-        replacement gets the majority's values); with no majority, ``CommitRejected`` everywhere.
-        Cost: the fingerprints (XXH3, ~4-5 GB/s) and the non-finite scan (~13 GB/s) of this rank's
-        share: its own values, and 1/size of those every rank holds alike (``my_share``)."""
-        world = self._world
-        sums = self._fingerprints(arrays)
-        share = my_share({n: a for n, a in arrays.items() if n != INDEX}, list(sums), int(world.rank), world.size)
-        document = {"digest": digest(sums), "seen": list(self._seen) if self._seen else None,
-                    "values": nonfinite_values(share)}
-        everyone = world.allgather(document)
-        if any(d["digest"] != everyone[0]["digest"] for d in everyone):  # rare: which values, on whom
-            everyone = [{**d, "sums": s} for d, s in zip(everyone, world.allgather(sums))]
-        ranks = [int(r) for r in world.logical_ranks]
-        found = verdict(everyone, ranks)
-        if found.good:
-            return
-        version = self._next_version()
-        if found.nonfinite:
-            what = (f"a non-finite {found.nonfinite_what} at step {found.nonfinite_step}"
-                    if found.nonfinite_step is not None else "no non-finite loss or gradient norm was recorded")
-            values = f"; committed values holding NaN/Inf: {list(found.nonfinite_values)[:5]}" \
-                if found.nonfinite_values else ""
-            world.events.emit("integrity", verdict="nonfinite", version=version, step=found.nonfinite_step,
-                              what=found.nonfinite_what, values=list(found.nonfinite_values))
-            raise agreed(NonFinite(f"version {version} not committed: {what}{values}", found.nonfinite_step,
-                                   found.nonfinite_values), final=False)
-        if found.fenced:
-            listed = "; ".join(f"logical rank {r}: {list(names)[:5]}" for r, names in found.differ.items())
-            why = (f"integrity: values that must be equal differ from the majority's ({len(ranks) - len(found.fenced)} "
-                   f"of {len(ranks)} ranks) on {listed}; fenced before version {version}")
-            world.events.emit("integrity", verdict="fenced", version=version, ranks=list(found.fenced),
-                              values={str(r): list(n) for r, n in found.differ.items()})
-            if int(world.logical_rank) in found.fenced:
-                world.job.fail("integrity", why)
-            raise ProcessFailure(why)
-        world.events.emit("integrity", verdict="no_majority", version=version, values=list(found.no_majority))
-        bad: dict[str, list[int]] = {}
-        for name in found.no_majority:
-            first = everyone[0]["sums"].get(name)
-            bad[name] = [r for r, doc in zip(ranks, everyone) if doc["sums"].get(name) != first]
-        listed = "; ".join(f"{n!r} on logical ranks {r} differs from logical rank {ranks[0]}"
-                           for n, r in list(bad.items())[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise agreed(CommitRejected(
-            f"commit rejected, the last version is kept: state that must be equal across ranks differs: "
-            f"{listed}{more}, and no majority of the {len(ranks)} ranks agrees on it (a rank that differs from a "
-            "majority of 3 or more is replaced instead). Keep replicas in step (same seed, same all-reduced "
-            "gradients), or name per-rank values in local=(...)"), final=False)
-
-    def _roll_back(self, error: NonFinite, mode: str) -> None:
-        """After ``NonFinite`` (agreed): roll every rank back to the last good version, dropping the
-        offending step with ``skip``. Non-finite again before any commit since (the version passed
-        the gate, but the corruption came before it): one version further back, while every rank
-        keeps an older one (``keep_versions``); stop when nothing can help (collective only for
-        that fall-back; the same on every rank)."""
-        world = self._world
-        step, again = error.step, bool(self._rollbacks)
-        stop = None
-        if mode == "stop":
-            stop = "on_nonfinite='stop'"
-        elif self._per_step:
-            stop = ("per_step=True keeps no copy of the values every rank holds alike to roll back to: use "
-                    "per_step=False to roll back past a non-finite step")
-        elif mode == "skip" and step in self._dropped:
-            stop = (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of the "
-                    "loop and skip the step when it says so")
-        elif len(self._rollbacks) >= world.job.settings.max_failures:
-            stop = f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
-        if stop is not None:
-            raise agreed(Unrecoverable(f"{error} ({stop})"))
-        fallen = self._store.fall_back() if again else None
-        if again and fallen is None:
-            raise agreed(Unrecoverable(
-                f"{error} (not finite again after the roll-back to version {self.version}, and no older version is "
-                f"kept on every rank: keep_versions={self._store.keep}, and a failure keeps only the current one. The "
-                "cause is not transient (data, learning rate): on_nonfinite='skip' drops the step; keep_versions=K "
-                "goes back further)"))
-        self._rollbacks.append(step)
-        if mode == "skip" and step is not None:
-            self._dropped.add(step)
-        self.restore()
-        world.events.emit("rolled_back", version=self.version, step=step, dropped=mode == "skip" and step is not None,
-                          values=error.values, fallback=fallen is not None)
-        _LOG.warning("[integrity] %s: rolled back to version %s%s%s", error, self.version,
-                     " (one further: the last one did not help)" if fallen is not None else "",
-                     f", step {step} dropped" if mode == "skip" and step is not None else "")
-
-
-class TorchState(State):
-    """Torch models, their optimizers, the RNG states and any scalars, committed together.
-
-    ``model`` / ``optimizer`` are stored as ``model.*`` / ``optim.*``; more
-    pairs go in ``modules={"name": (model, optimizer)}`` as ``name.model.*`` /
-    ``name.optim.*`` (a rank hosting several pipeline stages, say). Model
-    parameters and buffers and, unless ``shard_optimizer``, optimizer state
-    must be equal on every rank (data parallel) unless named in ``local``;
-    the RNG states (``rng.*``: torch, numpy, python) are per rank.
-    Data-loader position is a scalar such as ``step`` (see ``GlobalBatches``).
-    Each is a handler of its kind (``_handlers``: ``Module``, ``Stateful``,
-    ``Rng``), like the program's values. After a shrink, a pair taken over
-    from a removed rank is held as arrays until ``bind(name, model,
-    optimizer)`` loads it (see ``unbound()``). With ``per_step=True`` every
-    optimizer's ``step()`` is a recovery point (``step_point`` runs just before it).
-    """
-
-    def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
-                 modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
-                 replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
-                 adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,
-                 **values: Any) -> None:
-        local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
-        if per_step and shard_optimizer:
-            raise ConfigError("per_step=True with shard_optimizer=True: a step point comes before the optimizer "
-                              "step, and a sharded optimizer's state changes in it, after the point; use "
-                              "per_step=False (commit() every few steps) with a sharded optimizer")
-        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
-                         per_step=per_step, keep_versions=keep_versions, **values)
-        self._hooks: list[Any] = []  # the optimizers' step pre-hooks (per step)
-        pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
-        for name, (module, optim) in {**pairs, **(modules or {})}.items():
-            self.bind(name, module, optim)
-        self._own("rng", Rng())
-
-    def bind(self, name: str, model: Any, optimizer: Any = None) -> None:
-        """Host one more (model, optimizer) pair as ``name`` ("" for ``model`` / ``optimizer``),
-        loading the values this rank took over for it, if any (local)."""
-        pre = f"{name}." if name else ""
-        for key, obj, handler in ((f"{pre}model", model, Module), (f"{pre}optim", optimizer, Stateful)):
-            if obj is None:
-                continue
-            if key in self._public:
-                raise ConfigError(f"state value {key!r} is the program's; TorchState keeps the model and the "
-                                  "optimizer under that name: rename the value")
-            held = self._handlers.get(key)
-            self._handlers[key] = handler(obj)
-            if isinstance(held, Held):
-                self._handlers[key].apply(key, held.value)
-            if handler is Stateful and self._per_step:
-                if self._hooks:
-                    raise ConfigError("per_step=True takes one optimizer: its step() is each step's recovery "
-                                      "point; with more, make the TorchState with per_step=False, or a State "
-                                      "with per_step=True and call state.step_point() before the first update")
-                self._hooks.append(obj.register_step_pre_hook(lambda *_: self.step_point()))
-
-    def unbound(self) -> list[str]:
-        """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
-        return sorted(n.removesuffix(".model") for n, h in self._handlers.items()
-                      if isinstance(h, Held) and h.label == Module.label and n.endswith(".model"))
+    def _roll_back(self, error: NonFinite, mode: OnNonFinite | str) -> None:
+        """After ``NonFinite`` (agreed): the gate's answer (``Gate.roll_back``)."""
+        self._gate.roll_back(error, OnNonFinite.of(mode), self._store, self.restore, self._point.why_no_roll_back)

@@ -30,7 +30,8 @@ from elastic.comm import Group, ProcessFailure, Role, Unrecoverable, World, agre
 from elastic.recovery import LR_BOOST, ReplicatedStore, checkfree_average, plan_mesh_recovery, whole_replicas
 
 from ._handlers import Module, Stateful
-from ._state import StepClock, TorchState
+from ._clock import StepClock
+from ._torchstate import TorchState
 
 __all__ = ["roll_forward", "StageRebuild", "body_grad_norm", "stage_state", "host_stages", "LR_BOOST"]
 

@@ -44,7 +44,7 @@ def test_a_cuda_model_optimizer_and_rng_roll_back_bitwise():
 
     step()
     state = elastic.TorchState(SimJob(2).rank(0), model=model, optimizer=optimizer)
-    saved = {k: np.array(v) for k, v in state._capture().items()}
+    saved = {k: np.array(v) for k, v in state._capture().arrays.items()}
     step()
     after = [p.detach().clone() for p in model.parameters()], torch.rand(3, device="cuda")
     step()

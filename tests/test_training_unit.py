@@ -169,14 +169,14 @@ def test_no_restore_path_unpickles(monkeypatch):
     objects = _stateful_objects()
     state = elastic.TorchState(SimJob(2).rank(0), model=objects["model"], optimizer=objects["optimizer"],
                                scheduler=objects["scheduler"], scaler=objects["scaler"], step=3)
-    arrays = {k: np.array(v) for k, v in state._capture().items()}
+    arrays = {k: np.array(v) for k, v in state._capture().arrays.items()}
     before = _digest({k: v for k, v in arrays.items()})
     objects["scheduler"].step()
     np.random.random()
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads in a restore path"))
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load in a restore path"))
     state._apply(arrays)
-    assert _digest(state._capture()) == before
+    assert _digest(state._capture().arrays) == before
 
 
 def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
@@ -187,14 +187,14 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
     removed = _stateful_objects()
     owner = elastic.TorchState(SimJob(2).rank(0), modules={"s2": (removed["model"], removed["optimizer"])},
                                **{"adam.3.m": np.arange(4.0), "notes": {"epoch": 2, "w": torch.ones(2)}})
-    arrays = {k: np.array(v) for k, v in owner._capture().items()}
+    arrays = {k: np.array(v) for k, v in owner._capture().arrays.items()}
     survivor = elastic.TorchState(SimJob(2).rank(0), model=torch.nn.Linear(3, 2), step=7)
-    mine = _digest(survivor._capture())
+    mine = _digest(survivor._capture().arrays)
     survivor._apply(arrays, adopting=True)
     assert survivor.unbound() == ["s2"]
     assert sorted(survivor.names()) == ["adam.3.m", "notes", "step"]
     assert np.array_equal(survivor["adam.3.m"], np.arange(4.0)) and survivor["notes"]["epoch"] == 2
-    assert survivor.step == 7 and _digest(survivor._capture()) != mine  # its own kept, the new ones added
+    assert survivor.step == 7 and _digest(survivor._capture().arrays) != mine  # its own kept, the new ones added
     fresh = _stateful_objects(steps=5)
     survivor.bind("s2", fresh["model"], fresh["optimizer"])
     assert survivor.unbound() == []
@@ -208,13 +208,13 @@ def test_a_roll_back_leaves_no_gradient_of_the_step_it_cut_short():
 
     model = torch.nn.Linear(3, 2)
     state = elastic.TorchState(SimJob(2).rank(0), model=model)
-    committed = {k: np.array(v) for k, v in state._capture().items()}
+    committed = {k: np.array(v) for k, v in state._capture().arrays.items()}
     model(torch.ones(1, 3)).sum().backward()  # the step the failure cut short
     with torch.no_grad():
         model.weight.add_(1.0)
     state._apply(committed)
     assert all(p.grad is None for p in model.parameters())
-    assert _digest(state._capture()) == _digest(committed)
+    assert _digest(state._capture().arrays) == _digest(committed)
 
 
 def test_the_state_keeps_its_own_names():
@@ -301,7 +301,7 @@ def test_a_dataloader_iterator_made_after_a_recovery_does_not_shift_the_random_n
 
 def test_progress_lines_every_n_steps_or_seconds(caplog, monkeypatch):
     from elastic.comm import Config
-    from elastic._state import StepClock
+    from elastic._clock import StepClock
 
     def lines(config: Config, steps: int, clock_step: float = 0.0) -> list[int]:
         world = SimJob(4, config=config).rank(0)

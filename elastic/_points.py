@@ -1,0 +1,137 @@
+"""Recovery points: what a ``State`` keeps to come back to after a failure, one strategy each.
+
+``EveryCommit``: the last ``commit()`` (a few steps back); the values every rank holds alike are
+kept in each rank's own payload (never sent to a peer), the rank-unique ones replicated.
+``EveryStep``: every optimizer step (``step_point``, before the update): the rank-unique values
+are replicated at each step, and the shared values' point is the live values themselves.
+``State`` calls the one it was made with and never asks which it is, as the store does its
+``Backing``. Pick one with ``recovery_point``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from elastic.comm import ConfigError, Group, agreed
+
+from ._capture import Capture
+
+Store = Callable[[dict[str, np.ndarray]], None]  # commits the arrays as the next version (collective)
+
+
+class RecoveryPoint(Protocol):
+    restores_shared: bool  # a restore rolls the shared values back too (from the own payload)
+    why_no_roll_back: str | None  # a non-finite step cannot roll back past this point, and why
+
+    def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
+        """What a commit hands the store: the arrays, and which of them stay in the own payload."""
+        ...
+
+    def committed(self) -> None:
+        """A commit made a version current."""
+        ...
+
+    def step_point(self, capture: Capture, commit: Store) -> None:
+        """The recovery point of the step in flight (collective)."""
+        ...
+
+    def step_ended(self) -> None:
+        """``record_step``: the step's end."""
+        ...
+
+    def interrupted(self) -> None:
+        """A failure: the step in flight was abandoned."""
+        ...
+
+    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
+        """Make ``optimizer``'s ``step()`` call ``step_point`` first, where the strategy wants that."""
+        ...
+
+
+class EveryCommit:
+    """The last commit is the recovery point (``State(per_step=False)``, the default)."""
+
+    restores_shared: bool = True
+    why_no_roll_back: str | None = None
+
+    def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
+        return dict(capture.arrays), list(capture.shared)
+
+    def committed(self) -> None:
+        pass
+
+    def step_point(self, capture: Capture, commit: Store) -> None:
+        raise ConfigError("step_point() is the per-step recovery point: make the State with per_step=True "
+                          "(or call commit(), the multi-step one)")
+
+    def step_ended(self) -> None:
+        pass
+
+    def interrupted(self) -> None:
+        pass
+
+    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
+        pass
+
+
+class EveryStep:
+    """Every optimizer step is a recovery point (``State(per_step=True)``).
+
+    The point comes after the step's last collective and before the values every rank holds
+    alike change: every rank votes in the commit of its rank-unique values, and either every one
+    goes on or none does. Between the point and ``record_step`` a step does only local work; a
+    collective there is refused at ``record_step`` on every rank, since a failure inside it
+    would leave the step half ended on some ranks."""
+
+    restores_shared: bool = False
+    why_no_roll_back: str | None = ("per_step=True keeps no copy of the values every rank holds alike to roll "
+                                    "back to: use per_step=False to roll back past a non-finite step")
+
+    def __init__(self, world: Group) -> None:
+        if world.job.settings.node_store:
+            raise ConfigError("per_step=True keeps the values every rank shares only in the processes' memory, "
+                              "and a tier-2 relaunch (node_store) starts new ones: use per_step=False with "
+                              "node_store (each commit then keeps them in node memory)")
+        self._world = world
+        self._in_step = False  # between a step point and the step's end (record_step)
+        self._calls = 0        # world.job.collectives right after the last step point
+        self._hooked = False
+
+    def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
+        return capture.unique, []  # the live shared values are their recovery point
+
+    def committed(self) -> None:
+        self._in_step = False
+
+    def step_point(self, capture: Capture, commit: Store) -> None:
+        if self._in_step:
+            raise ConfigError("per_step: two step points without record_step() between them; end every step with "
+                              "state.record_step(step) (it marks where the step's update is complete)")
+        commit(capture.unique)
+        self._in_step, self._calls = True, self._world.job.collectives
+
+    def step_ended(self) -> None:
+        if self._in_step and self._world.job.collectives != self._calls:
+            raise agreed(ConfigError(  # every rank runs the same code: every rank stops here alike
+                "per_step: a collective ran between the step point (optimizer.step()) and record_step(); a "
+                "failure inside it would leave the step half ended on some ranks. Do the step's collectives "
+                "(the loss all-reduce, logging) before optimizer.step(), or after record_step(), or use "
+                "per_step=False"))
+        self._in_step = False
+
+    def interrupted(self) -> None:
+        self._in_step = False  # only local work was left of it
+
+    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
+        if self._hooked:
+            raise ConfigError("per_step=True takes one optimizer: its step() is each step's recovery "
+                              "point; with more, make the TorchState with per_step=False, or a State "
+                              "with per_step=True and call state.step_point() before the first update")
+        self._hooked = True
+        optimizer.register_step_pre_hook(lambda *_: step_point())
+
+
+def recovery_point(world: Group, per_step: bool) -> RecoveryPoint:
+    """The strategy for ``State(per_step=...)``."""
+    return EveryStep(world) if per_step else EveryCommit()

@@ -1,0 +1,67 @@
+"""``TorchState``: a ``State`` that also holds torch models, their optimizers and the RNG states."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from elastic.comm import ConfigError, Group
+from elastic.recovery import Adopt
+
+from ._handlers import Held, Module, Rng, Stateful
+from ._state import State
+
+
+class TorchState(State):
+    """Torch models, their optimizers, the RNG states and any scalars, committed together.
+
+    ``model`` / ``optimizer`` are stored as ``model.*`` / ``optim.*``; more
+    pairs go in ``modules={"name": (model, optimizer)}`` as ``name.model.*`` /
+    ``name.optim.*`` (a rank hosting several pipeline stages, say). Model
+    parameters and buffers and, unless ``shard_optimizer``, optimizer state
+    must be equal on every rank (data parallel) unless named in ``local``;
+    the RNG states (``rng.*``: torch, numpy, python) are per rank.
+    Data-loader position is a scalar such as ``step`` (see ``GlobalBatches``).
+    Each is a handler of its kind (``_handlers``: ``Module``, ``Stateful``,
+    ``Rng``), like the program's values. After a shrink, a pair taken over
+    from a removed rank is held as arrays until ``bind(name, model,
+    optimizer)`` loads it (see ``unbound()``). With ``per_step=True`` every
+    optimizer's ``step()`` is a recovery point (``step_point`` runs just before it).
+    """
+
+    def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
+                 modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
+                 replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
+                 adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,
+                 **values: Any) -> None:
+        local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
+        if per_step and shard_optimizer:
+            raise ConfigError("per_step=True with shard_optimizer=True: a step point comes before the optimizer "
+                              "step, and a sharded optimizer's state changes in it, after the point; use "
+                              "per_step=False (commit() every few steps) with a sharded optimizer")
+        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
+                         per_step=per_step, keep_versions=keep_versions, **values)
+        pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
+        for name, (module, optim) in {**pairs, **(modules or {})}.items():
+            self.bind(name, module, optim)
+        self._own("rng", Rng())
+
+    def bind(self, name: str, model: Any, optimizer: Any = None) -> None:
+        """Host one more (model, optimizer) pair as ``name`` ("" for ``model`` / ``optimizer``),
+        loading the values this rank took over for it, if any (local)."""
+        pre = f"{name}." if name else ""
+        for key, obj, handler in ((f"{pre}model", model, Module), (f"{pre}optim", optimizer, Stateful)):
+            if obj is None:
+                continue
+            if key in self._public:
+                raise ConfigError(f"state value {key!r} is the program's; TorchState keeps the model and the "
+                                  "optimizer under that name: rename the value")
+            held = self._handlers.get(key)
+            self._handlers[key] = handler(obj)
+            if isinstance(held, Held):
+                self._handlers[key].apply(key, held.value)
+            if handler is Stateful:
+                self._point.hook(obj, self.step_point)
+
+    def unbound(self) -> list[str]:
+        """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
+        return sorted(n.removesuffix(".model") for n, h in self._handlers.items()
+                      if isinstance(h, Held) and h.label == Module.label and n.endswith(".model"))
