@@ -5,7 +5,8 @@ take a ``Group``, never a ``World``: identity (who this rank is now), agreed
 calls (the outcome is the same on every active rank, or ``ProcessFailure``
 everywhere), the data plane, fault points and the event log, and ``job``: the
 few facts of the job the layers above need (its first size, its settings, was
-anything committed, is the job over).
+anything committed, is the job over), and ``environ``: the environment the launcher gave
+the process, where the layers above read their own settings.
 ``World`` implements it; anything that does (a simulated job in a test) can
 stand in for it. Membership tables, the lifecycle, the communicators and the
 rest of the configuration stay behind it: of the settings, the layers above see
@@ -13,10 +14,8 @@ rest of the configuration stay behind it: of the settings, the layers above see
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Protocol
 
-from ._config import Config
 from ._errors import Unrecoverable, agreed
 from ._ranks import CurrentRank, LogicalRank, Role
 from .faults import Injection
@@ -27,28 +26,20 @@ if TYPE_CHECKING:
     from ._rebuild import Rebuild
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The settings the layers above comm act on (``Config``'s fields of the same names)."""
+class Settings(Protocol):
+    """The settings the layers above comm act on: ``Config``'s fields of the same names, read-only.
+    (The training layer's own settings travel in ``Job.environ`` and are read by its own table.)"""
 
-    max_failures: int = 3              # failures in a row without a commit before ``run`` stops
-    progress_every: int = 10           # the progress line: every that many steps (0: not by steps)
-    progress_seconds: float = 0.0      # ... and/or seconds (0: not by time)
-    node_store: str = ""               # the store keeps its versions in node memory here (tier 2; "": off)
-    domains: tuple[str, ...] = ()      # failure domain of each logical rank (round robin) instead of the hosts
-    faults_scheduled: bool = False     # a fault schedule is set: fault points inside torch's collectives too
-    on_nonfinite: str = "rollback"     # a NaN / Inf at a recovery point: rollback, skip or stop (``elastic.run``)
-    straggler_factor: float = 0.0      # evict a rank this many times slower than the median (0: never) ...
-    straggler_steps: int = 5           # ... for this many steps in a row
-    rebuild: tuple[str, ...] = ("spare", "shrink")  # the rebuild modes allowed, and ...
-    min_size: int = 1                  # ... the fewest ranks a shrink may leave (may a straggler go without a spare?)
-    keep_versions: int = 1             # committed versions a State keeps (the current one included)
-
-    @classmethod
-    def of(cls, config: Config) -> Settings:
-        return cls(config.max_failures, config.progress_every, config.progress_seconds, config.node_store or "",
-                   config.domains, bool(config.inject), config.on_nonfinite, config.straggler_factor,
-                   config.straggler_steps, config.rebuild, config.min_size, config.keep_versions)
+    @property
+    def node_store(self) -> str | None: ...      # the store keeps its versions in node memory here (tier 2)
+    @property
+    def domains(self) -> tuple[str, ...]: ...    # failure domain of each logical rank, instead of the hosts
+    @property
+    def faults_scheduled(self) -> bool: ...      # fault points inside torch's collectives too
+    @property
+    def rebuild(self) -> tuple[str, ...]: ...    # the rebuild modes allowed, and ...
+    @property
+    def min_size(self) -> int: ...               # ... the fewest ranks a shrink may leave
 
 
 class EventSink(Protocol):
@@ -62,6 +53,8 @@ class Job(Protocol):
     def initial_size(self) -> int: ...
     @property
     def settings(self) -> Settings: ...
+    @property
+    def environ(self) -> Mapping[str, str]: ...
     @property
     def alone(self) -> bool: ...
     @property

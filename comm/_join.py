@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, cast
+from typing import Any, Mapping, cast
 
 from mpi4py import MPI
 
@@ -42,7 +42,8 @@ def _process_began() -> float:
         return time.time()
 
 
-def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
+def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
+         environ: Mapping[str, str] | None = None, **settings: Any) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
@@ -51,6 +52,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         policy: decides each rebuild (default: the configured modes in order, ``FixedOrder``),
             on the lowest live process; a spawned replacement runs the program again and uses the
             policy its own ``init`` is given (nothing of it travels between processes).
+        environ: where the layers above read their own settings (``job.environ``; default
+            ``os.environ``); a spawned replacement gets its parents' ``ELASTIC_*`` variables.
 
     Returns the World on an active rank. A spare returns only once promoted
     (role RECOVERED), or exits when the job finishes without needing it. A
@@ -100,7 +103,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     start = Generation(rebuild.generation if rebuild else 0, members, cast(MPI.Intracomm, MPI.COMM_NULL), role,
                        rebuild, committed=relaunch.committed if relaunch else False)
     world = World(start, config, policy or FixedOrder(config.rebuild, config.min_size),
-                  relaunch.initial_size if relaunch else n - config.spares, alone=alone and not config.require_ulfm)
+                  relaunch.initial_size if relaunch else n - config.spares, alone=alone and not config.require_ulfm,
+                  environ=environ)
     world._lifecycle.install()
     with mpi_errors(universe):
         world._adopt(dataclasses.replace(start, comm=split_actives(members)))
@@ -144,7 +148,7 @@ def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> Wor
     joining = Generation(state["generation"], Members(merged, table, procs), cast(MPI.Intracomm, MPI.COMM_NULL),
                          Role.RECOVERED, streak=state["streak"], committed=state["committed"])
     world = World(joining, config, policy or FixedOrder(config.rebuild, config.min_size), state["initial_size"],
-                  history=state["history"], step=state["step"])
+                  history=state["history"], step=state["step"], environ={**os.environ, **state["environ"]})
     world._lifecycle.install()
     world.events.emit("spawned", sentinel=world._watchdog.active, sentinel_pid=world._watchdog.sentinel_pid,
                       warm=WARM_CHILD_ENV in os.environ, **_STARTUP)

@@ -49,14 +49,14 @@ class World:
     """The job's live processes and this process's place among them. Build it with ``init()``."""
 
     def __init__(self, generation: Generation, config: Config, policy: RebuildPolicy, initial_size: int, *,
-                 history: set[tuple[str, Any]] | None = None, step: int | None = None, alone: bool = False) -> None:
+                 history: set[tuple[str, Any]] | None = None, step: int | None = None, alone: bool = False,
+                 environ: Mapping[str, str] | None = None) -> None:
         self._now = generation                # changed by _adopt() only: a join's, then each rebuild's
         self._config, self._policy, self._initial_size = config, policy, initial_size
-        self._settings = Settings.of(config)  # what the layers above act on
+        self._environ = os.environ if environ is None else environ  # the layers above read their settings here
         self._step = step                     # the loop's last step, as told by fault_point / progress
         self._collectives = 0                 # calls on the active ranks so far (guarded MPI calls)
         self._waited = 0.0                    # seconds spent in those calls (waiting for peers, mostly)
-        self._own_step_points = False         # the program calls fault_point(step) itself
         # A replacement (spawned or relaunched) exists because of a failure.
         self._failures_seen = generation.rebuild is not None or generation.role is Role.RECOVERED
         self._history = history if history is not None else set()  # software errors seen, to stop a repeat
@@ -118,14 +118,8 @@ class World:
         collectives are ``collective`` points."""
         if point == "step":
             self._progress(step)
-            if implied and self._own_step_points:
-                return
-            self._own_step_points |= not implied
-        self._fire(point, step)
-
-    def _fire(self, point: str, step: int | None) -> None:
         if self._faults.schedule:
-            self._faults.fire(point, int(self.logical_rank), self.generation, step)
+            self._faults.point(point, int(self.logical_rank), self.generation, step, implied=implied)
 
     # ------------------------------------------------- agreed collectives
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:
@@ -357,6 +351,7 @@ class World:
     def _handover(self) -> dict[str, Any]:
         """What a spawned process needs to become a member (sent with the merge)."""
         return {"config": self._config, "initial_size": self._initial_size,
+                "environ": {k: v for k, v in self._environ.items() if k.startswith("ELASTIC_")},
                 "generation": self.generation, "history": self._history, "streak": self._streak,
                 "step": self._step, "committed": self._committed}
 
@@ -382,7 +377,13 @@ class WorldJob:
 
     @property
     def settings(self) -> Settings:
-        return self._world._settings
+        return self._world._config
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        """The environment the launcher gave this process (a spawned one: its parents'
+        ``ELASTIC_*``), where the layers above read their own settings."""
+        return self._world._environ
 
     @property
     def alone(self) -> bool:

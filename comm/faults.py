@@ -47,7 +47,7 @@ from ._errors import ConfigError, ElasticError
 from ._watchdog import WARM_CHILD_ENV
 from .wire import message
 
-__all__ = ["Injection", "InjectedFault", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
+__all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
@@ -140,15 +140,21 @@ def _parse_compact(item: str) -> Injection:
 
 
 class FaultInjector:
-    """Fires the schedule's entries that match this process (local, no communication)."""
+    """Fires the schedule's entries that match this process (local, no communication).
+
+    What an entry does is ``act(entry, where)``: by default ``EFFECTS``, on this process (a
+    simulated job passes its own, a thread's end); the matching, the once-only data faults and the
+    step points the library implies are the same for both."""
 
     def __init__(self, schedule: tuple[Injection, ...], announce: Callable[[Injection], None],
-                 warm_socket: str | None = None) -> None:
+                 warm_socket: str | None = None, act: Callable[[Injection, str], None] | None = None) -> None:
         self.schedule = schedule
         self._announce = announce
         self._warm_socket = warm_socket
+        self._act = act or self._on_this_process
         self._armed: dict[str, Injection] = {}  # data faults that fired, for the layers above
         self._spent: set[Injection] = set()     # data faults act once per process
+        self._own_step_points = False           # the program marks its steps itself
 
     def data_fault(self, action: str) -> Injection | None:
         """The armed data fault ``action`` of this process, if any (local): ``nan`` and ``bitflip``
@@ -162,34 +168,55 @@ class FaultInjector:
         """Some entry fires at a step the program's loop must tell (``step``, ``collective``)."""
         return any(entry.point in ("step", "collective") for entry in self.schedule)
 
+    def point(self, point: str, logical_rank: int, generation: int, step: int | None = None, *,
+              implied: bool = False) -> None:
+        """A fault point reached. The library's calls that know the step (``State.record_step``,
+        the data sampler) mark it ``implied``, and count until the program marks its steps
+        itself: then only the program's do."""
+        if point == "step":
+            if implied and self._own_step_points:
+                return
+            self._own_step_points |= not implied
+        self.fire(point, logical_rank, generation, step)
+
     def fire(self, point: str, logical_rank: int, generation: int, step: int | None = None) -> None:
         for entry in self.schedule:
-            if (entry.point == point and entry.rank == logical_rank and entry.gen == generation
+            if not (entry.point == point and entry.rank == logical_rank and entry.gen == generation
                     and (entry.step is None or entry.step == step)):
-                if entry.action in DATA_ACTIONS:
-                    if entry not in self._spent:  # a roll-back replays the step: it runs clean
-                        self._spent.add(entry)
-                        self._announce(entry)
-                        self._armed[entry.action] = entry
-                    continue
-                self._announce(entry)
-                if entry.action == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif entry.action == "exit":
-                    os._exit(EXIT_CODE)
-                elif entry.action == "hang":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                elif entry.action == "stall":
-                    while True:
-                        time.sleep(3600)
-                elif entry.action == "node":
-                    _kill_node()
-                elif entry.action == "runtime":
-                    _kill_runtime()
-                elif entry.action == "warm":
-                    _kill_warm(self._warm_socket)
-                else:
-                    raise InjectedFault(f"injected fault at {point} step={step} on logical rank {logical_rank}")
+                continue
+            if entry.action in DATA_ACTIONS:
+                if entry not in self._spent:  # a roll-back replays the step: it runs clean
+                    self._spent.add(entry)
+                    self._announce(entry)
+                    self._armed[entry.action] = entry
+                continue
+            self._announce(entry)
+            self._act(entry, f"injected fault at {point} step={step} on logical rank {logical_rank}")
+
+    def _on_this_process(self, entry: Injection, where: str) -> None:
+        EFFECTS[entry.action](self._warm_socket, where)
+
+
+def _stall(warm_socket: str | None, where: str) -> None:
+    while True:
+        time.sleep(3600)
+
+
+def _raise(warm_socket: str | None, where: str) -> None:
+    raise InjectedFault(where)
+
+
+# What each action does to this process (the data actions are armed instead, ``FaultInjector.fire``).
+EFFECTS: dict[str, Callable[[str | None, str], None]] = {
+    "kill": lambda warm, where: os.kill(os.getpid(), signal.SIGKILL),
+    "exit": lambda warm, where: os._exit(EXIT_CODE),
+    "hang": lambda warm, where: os.kill(os.getpid(), signal.SIGSTOP),
+    "stall": _stall,
+    "node": lambda warm, where: _kill_node(),
+    "runtime": lambda warm, where: _kill_runtime(),
+    "warm": lambda warm, where: _kill_warm(warm),
+    "raise": _raise,
+}
 
 
 def _started_by() -> int:

@@ -5,16 +5,20 @@ One public door instead of reaching into comm's private modules: the relaunch
 record the launcher hands every process, the membership table's spare marker,
 the rebuild modes, the sentinel's bound for a stopped sentinel, how a tool
 keeps MPI uninitialized, how a package loads its names on first use, how to
-tell an agreed error (raised alike on every rank) from a local one, and a
-``Group``'s first survivor (for anything that implements the contract). Importing
-it starts no MPI.
+tell an agreed error (raised alike on every rank) from a local one, a
+``Group``'s first survivor (for anything that implements the contract), and the
+settings table's rows (``Setting``: the training layer declares its own), with
+comm's (``CONFIG_ROWS``) for the launcher's options. Importing it starts no MPI.
 """
 from ._config import MODES, Relaunch
+from ._config import ROWS as CONFIG_ROWS
 from ._errors import is_agreed
 from ._group import first_survivor
 from ._lazy import keep_mpi_uninitialized, lazy_exports
 from ._ranks import SPARE
+from ._table import Setting, check, fields_match, read, text, write
 from ._watchdog import STOPPED_SENTINEL_SECONDS
 
 __all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "first_survivor", "is_agreed",
-           "keep_mpi_uninitialized", "lazy_exports"]
+           "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check", "fields_match", "read",
+           "text", "write"]

@@ -7,6 +7,8 @@ from typing import Any
 
 from elastic.comm import Group, Outlook
 
+from ._settings import Training
+
 _LOG = logging.getLogger("elastic")
 
 
@@ -18,12 +20,13 @@ class StepClock:
     training time. ``outlook`` (seconds per step, smoothed; steps left) is what
     ``elastic.run`` hands to ``World.recover`` for the rebuild policy. The
     progress line (logger ``elastic``, INFO) comes every ``progress_every``
-    steps and/or ``progress_seconds`` seconds (the configuration's), and at
+    steps and/or ``progress_seconds`` seconds (the training settings'), and at
     the last step.
     """
 
     def __init__(self, world: Group) -> None:
         self._world = world
+        self._every, self._seconds = (lambda t: (t.progress_every, t.progress_seconds))(Training.of(world))
         self._last: float | None = None
         self._waited = 0.0  # the world's waiting at the last step's end
         self._shown = time.monotonic()
@@ -59,9 +62,9 @@ class StepClock:
         return own
 
     def _due(self, step: int, total: int | None) -> bool:
-        config, now = self._world.job.settings, time.monotonic()
-        due = step == total or bool(config.progress_every and step % config.progress_every == 0) or \
-            bool(config.progress_seconds and now - self._shown >= config.progress_seconds)
+        now = time.monotonic()
+        due = step == total or bool(self._every and step % self._every == 0) or \
+            bool(self._seconds and now - self._shown >= self._seconds)
         if due:
             self._shown = now
         return due

@@ -8,38 +8,20 @@ a rank whose shared values differ from a strict majority's is fenced, no majorit
 """
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Group, ProcessFailure, Unrecoverable, agreed
+from elastic.comm import Group, ProcessFailure, Unrecoverable, agreed
 from elastic.recovery import CommitRejected, ReplicatedStore, checksum
 
 from ._capture import INDEX, Capture
 from ._integrity import NonFinite, digest, my_share, nonfinite_values, verdict
+from ._settings import OnNonFinite
 
 _LOG = logging.getLogger("elastic")
-
-
-class OnNonFinite(enum.Enum):
-    """What a NaN or an Inf at a recovery point does (the version is never made current)."""
-
-    ROLLBACK = "rollback"  # every rank back to the last good version, then the step again
-    SKIP = "skip"          # the same, and the offending step is dropped
-    STOP = "stop"          # an agreed error
-
-    @classmethod
-    def of(cls, value: OnNonFinite | str, where: str = "on_nonfinite") -> OnNonFinite:
-        """``value`` as a member, or a ``ConfigError`` naming ``where`` and what to give."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            raise ConfigError(f"{where}={value!r}: give one of {', '.join(m.value for m in cls)}") from None
 
 
 def fingerprints(shared: Mapping[str, np.ndarray]) -> dict[str, str]:
@@ -52,8 +34,8 @@ class Gate:
     """The gate of one ``State``: what this rank saw since the last commit, the steps dropped, the
     roll-backs in a row (local state; ``check`` and ``roll_back`` are collective)."""
 
-    def __init__(self, world: Group) -> None:
-        self._world = world
+    def __init__(self, world: Group, max_failures: int) -> None:
+        self._world, self._max_failures = world, max_failures
         self._seen: tuple[int, str] | None = None  # the first step since the last commit not finite
         self.dropped: set[int] = set()             # steps dropped for it (OnNonFinite.SKIP)
         self._rollbacks: list[int | None] = []     # roll-backs since the last commit
@@ -159,7 +141,7 @@ class Gate:
         if mode is OnNonFinite.SKIP and step in self.dropped:
             return (f"step {step} was dropped but ran again: ask state.dropped(state.step + 1) at the top of the "
                     "loop and skip the step when it says so")
-        if len(self._rollbacks) >= self._world.job.settings.max_failures:
+        if len(self._rollbacks) >= self._max_failures:
             return f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
         return None
 

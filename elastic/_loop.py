@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -13,8 +14,8 @@ from elastic.comm import (
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
-from ._gate import OnNonFinite
 from ._integrity import NonFinite
+from ._settings import FIELDS, OnNonFinite, Training
 from ._state import State
 
 T = TypeVar("T")
@@ -32,20 +33,23 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
 
     Args:
         config: the job's settings (default ``Config.from_env()``: what the launcher set);
-            keyword ``settings`` override single fields (``spares=1``, ``run_dir=...``).
+            keyword ``settings`` override single fields, of it (``spares=1``, ``run_dir=...``) or
+            of the training settings (``keep_versions=2``, ``max_failures=5``: ``Training``).
         policy: how lost ranks are filled (default ``Policy.from_config(config)``: the
             launcher's ``--rebuild``, ``--min-size`` and the other policy settings).
 
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
+    training = {k: settings.pop(k) for k in list(settings) if k in FIELDS}
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
+    environ = {**os.environ, **Training.from_env(os.environ, **training).to_env()} if training else None
     if "torch" in sys.modules:
         # A torch optimizer imports torch._dynamo when the first one is made (1.1 s here): a program
         # that makes it after init (a pipeline stage's, which needs the logical rank) would have its
         # promoted spare pay that after the failure; every process pays it here instead, a spare
         # while it waits.
         import torch._dynamo  # noqa: F401
-    return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy)
+    return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ)
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,
@@ -87,7 +91,8 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
 
     @functools.wraps(func)
     def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
-        limit = world.job.settings.max_failures if max_failures is None else max_failures
+        settings = Training.of(world)
+        limit = settings.max_failures if max_failures is None else max_failures
         reset = world.role is Role.RECOVERED
         while True:
             try:
@@ -109,7 +114,7 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
                 world.finish()
                 return result
             except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
-                state._roll_back(exc, mode or world.job.settings.on_nonfinite)
+                state._roll_back(exc, mode or settings.on_nonfinite)
             except Exception as exc:
                 if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
                     raise

@@ -14,6 +14,7 @@ from elastic.comm import Config
 
 from . import _nodes
 from ._plan import LaunchPlan
+from ._settings import Training
 
 DETECTOR_MCA = (("mpi_ft_detector", "true"), ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2"))
 
@@ -57,13 +58,13 @@ def build_command(plan: LaunchPlan, nprocs: int, hosts: list[tuple[str, int]] | 
         cmd += ["--mca", "btl", "^ofi"]
     for key, value in plan.mca:
         cmd += ["--mca", key, value]
-    for name in sorted(job_env(plan.config)):
+    for name in sorted(job_env(plan.config, plan.training)):
         cmd += ["-x", name]
     # The sentinel runs with this launcher's Python; the program with whatever the command names.
     return cmd + [sys.executable, "-m", "elastic.comm._sentinel", "--"] + list(plan.command)
 
 
-def job_env(config: Config) -> dict[str, str]:
-    """What every process of the job gets in its environment: the whole configuration (to other
-    hosts too, through ``-x``)."""
-    return {**config.to_env(), "PYTHONUNBUFFERED": "1"}
+def job_env(config: Config, training: Training) -> dict[str, str]:
+    """What every process of the job gets in its environment: the whole configuration, comm's and
+    the training layer's (to other hosts too, through ``-x``)."""
+    return {**config.to_env(), **training.to_env(), "PYTHONUNBUFFERED": "1"}

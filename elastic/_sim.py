@@ -12,11 +12,13 @@ logic takes milliseconds instead of seconds of ``mpiexec``::
     results = job.run(main)              # main(world) on every rank, replacements too
     assert job.of("rebuilt")[0]["mode"] == "spare"
 
+The schedule fires through the real ``FaultInjector`` (the same matching, the
+same once-only data faults, the same implied step points); only what an action
+does differs: ``raise`` raises, every other one ends the rank's thread.
 Simplifications, on purpose: every collective fails on every rank alike when
 a rank of the generation is dead (the World's agreed calls behave so; MPI's
-data plane need not), a rebuild itself cannot fail, and only ``kill`` and
-``raise`` actions exist (no process to stop or hang). Killing and hanging
-real processes stays with the ``mpiexec`` tests.
+data plane need not), a rebuild itself cannot fail, and there is no process
+to stop or hang. Killing and hanging real processes stays with the ``mpiexec`` tests.
 """
 from __future__ import annotations
 
@@ -32,8 +34,11 @@ from elastic.comm import (
     Settings, Unrecoverable, agreed, wire,
 )
 from elastic.comm.runtime import first_survivor, is_agreed
-from elastic.comm.faults import InjectedFault, Injection, parse_schedule
+from elastic.comm.faults import FaultInjector, InjectedFault, Injection, parse_schedule
 from elastic.recovery import Policy
+
+from ._settings import FIELDS as TRAINING_FIELDS
+from ._settings import Training
 
 T = TypeVar("T")
 
@@ -66,8 +71,8 @@ class SimJob:
         n: active ranks at the start (logical ranks 0..n-1).
         spares: parked spares, taken by the ``spare`` mode.
         inject: a fault schedule in the launcher's compact form (``"1@3,2@commit4"``).
-        config: the job's settings (``rebuild`` modes, ``min_size``, ``max_failures``, ...);
-            keyword ``settings`` override single fields.
+        config: the job's settings (``rebuild`` modes, ``min_size``, ...); keyword ``settings``
+            override single fields, of it or of the training settings (``max_failures``, ...).
         timeout: seconds any rank may wait for the others before the job counts as hung.
     """
 
@@ -75,14 +80,14 @@ class SimJob:
                  timeout: float = 30.0, **settings: Any) -> None:
         if n < 1 or spares < 0:
             raise ConfigError(f"SimJob({n}, spares={spares}): need n >= 1 and spares >= 0")
+        training = Training(**{k: settings.pop(k) for k in list(settings) if k in TRAINING_FIELDS})
         config = (config or Config()).replace(inject=parse_schedule(inject), spares=spares, **settings)
         self.config, self.initial_size, self.timeout = config, n, timeout
         self.policy = Policy.from_config(config)
-        self.settings = Settings.of(config)
+        self.environ = training.to_env()
         self.events: list[dict[str, Any]] = []
         self._cv = threading.Condition()
         self._fabric = _Fabric(active=list(range(n)), spares=spares)
-        self._fired: set[tuple[Any, ...]] = set()
         self._program: Callable[[SimRank], Any] | None = None
         self._threads: list[threading.Thread] = []
         self._results: dict[int, Any] = {}
@@ -258,6 +263,8 @@ class SimRank:
         self._step: int | None = None
         self._ended = False
         self.events = _Events(self)
+        self._faults = FaultInjector(job.config.inject, lambda entry: self.events.emit("inject", **entry.to_dict()),
+                                     act=self._act)
         self.job = _SimJobView(self)
         self.mpi = _SimMpi(self)
 
@@ -343,15 +350,14 @@ class SimRank:
     def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False) -> None:
         if point == "step":
             self._step = step
-        for entry in self._job.config.inject:
-            key = (entry, self.generation)
-            if (entry.point == point and entry.rank == self.logical and entry.gen == self.generation
-                    and (entry.step is None or entry.step == step) and key not in self._job._fired):
-                self._job._fired.add(key)
-                self.events.emit("inject", **entry.to_dict())
-                if entry.action == "raise":
-                    raise InjectedFault(f"injected fault at {point} step={step} on logical rank {self.logical}")
-                self.job.fail("injected", f"{entry.action} at {point}")
+        self._faults.point(point, self.logical, self.generation, step, implied=implied)
+
+    def _act(self, entry: Injection, where: str) -> None:
+        """What an injection does to a simulated rank: ``raise`` raises, every other action ends
+        the rank's thread (a process killed, stopped or stalled alike: the others recover)."""
+        if entry.action == "raise":
+            raise InjectedFault(where)
+        self.job.fail("injected", f"{entry.action} at {where}")
 
     # ------------------------------------------------------------------ what elastic.run drives
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
@@ -401,7 +407,11 @@ class _SimJobView:
 
     @property
     def settings(self) -> Settings:
-        return self._rank._job.settings
+        return self._rank._job.config
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return self._rank._job.environ
 
     @property
     def step(self) -> int | None:
@@ -432,7 +442,7 @@ class _SimJobView:
         return self._rank._job._fabric.spares
 
     def data_fault(self, action: str) -> Injection | None:
-        return None  # the simulated job injects kills only
+        return self._rank._faults.data_fault(action)
 
     def note_commit(self) -> None:
         with self._rank._job._cv:

@@ -29,10 +29,11 @@ from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore, share
 from ._capture import INDEX, Capture, is_local
 from ._clock import StepClock
 from ._datafaults import data_faults
-from ._gate import Gate, OnNonFinite, fingerprints
+from ._gate import Gate, fingerprints
 from ._handlers import Handler, Held, adopted, for_value
 from ._integrity import NonFinite, digest
 from ._points import recovery_point
+from ._settings import OnNonFinite, Training
 from ._stragglers import straggler_watch
 
 class State:
@@ -63,7 +64,8 @@ class State:
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
                  keep_versions: int | None = None, **values: Any) -> None:
         self._world = world
-        keep = world.job.settings.keep_versions if keep_versions is None else keep_versions
+        settings = Training.of(world)
+        keep = settings.keep_versions if keep_versions is None else keep_versions
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
         self._point = recovery_point(world, per_step)
         self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
@@ -72,8 +74,8 @@ class State:
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world)
-        self._gate = Gate(world)
-        self._stragglers = straggler_watch(world)
+        self._gate = Gate(world, settings.max_failures)
+        self._stragglers = straggler_watch(world, settings)
         self._data_faults = data_faults(world)
         for name, value in values.items():
             self[name] = value

@@ -12,6 +12,7 @@ import logging
 from elastic.comm import Group, ProcessFailure
 
 from ._integrity import Stragglers
+from ._settings import Training
 
 _LOG = logging.getLogger("elastic")
 
@@ -47,8 +48,7 @@ class StragglerWatch:
         raise ProcessFailure(why + ": evicted")
 
 
-def straggler_watch(world: Group) -> StragglerWatch | None:
+def straggler_watch(world: Group, settings: Training) -> StragglerWatch | None:
     """The stage for the job's settings, or None when no bound is set."""
-    settings = world.job.settings
     return StragglerWatch(world, settings.straggler_factor, settings.straggler_steps) \
         if settings.straggler_factor else None

@@ -122,7 +122,7 @@ def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | N
         return None
     proc = subprocess.Popen([sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket,
                              *programs], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **job_env(plan.config)})  # its own session: no terminal's ^C
+                            env={**os.environ, **job_env(plan.config, plan.training)})  # own session: no ^C
     assert proc.stdout is not None
     # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
     ready = proc.stdout.readline() if select.select([proc.stdout], [], [], WARM_START_SECONDS)[0] else \
@@ -162,7 +162,7 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         if not plan.quiet:
             print(f"[launch] {' '.join(cmd)}", flush=True)
         done.times.append({"launched": time.time()})
-        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config), warm)
+        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training), warm)
         if got:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)

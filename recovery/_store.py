@@ -135,7 +135,7 @@ class ReplicatedStore:
         self.given_up: list[int] = []  # by the last recover(give_up=True): dead ranks whose state had no copy left
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
         self._told: tuple[tuple[int, int], list[Any]] | None = None  # the last announcement heard, and for what
-        self._backing: Backing = backing("" if world.job.alone else world.job.settings.node_store,
+        self._backing: Backing = backing("" if world.job.alone else world.job.settings.node_store or "",
                                          int(world.logical_rank), rollback_copy, lambda: world.job.ended)
 
     # ------------------------------------------------------------ user calls

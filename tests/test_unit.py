@@ -214,6 +214,30 @@ def test_the_layers_meet_only_through_public_modules_and_comm_has_no_import_circ
     assert not list(nx.simple_cycles(circle))
 
 
+def test_every_setting_is_declared_once_and_the_training_layers_live_above_comm():
+    """A setting is one row (name, variable, parser, check, option) of one table: its variable is
+    written nowhere else in the library, its name is no other table's, and comm knows nothing of
+    the training layer's settings (``grep keep_versions comm`` finds nothing)."""
+    import ast
+
+    from elastic._settings import ROWS as TRAINING_ROWS
+    from elastic.comm.runtime import CONFIG_ROWS
+    root = Path(__file__).resolve().parents[1]
+    rows = [*CONFIG_ROWS, *TRAINING_ROWS]
+    assert len({r.name for r in rows}) == len(rows) and len({r.env for r in rows}) == len(rows)
+    literals: dict[str, list[str]] = {}
+    for folder in ("comm", "recovery", "elastic"):
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                        node.value.startswith("ELASTIC_") and node.value.isupper():
+                    literals.setdefault(node.value, []).append(f"{folder}/{path.name}:{node.lineno}")
+    twice = {env: where for env, where in literals.items() if env in {r.env for r in rows} and len(where) > 1}
+    assert not twice, f"a setting's variable written in two places: {twice}"
+    comm_text = "\n".join(p.read_text() for p in sorted((root / "comm").glob("*.py")))
+    assert [r.name for r in TRAINING_ROWS if r.name in comm_text] == []
+
+
 def test_the_world_is_twenty_names():
     """World's public surface: the Group contract, plus recover, finish and mpi; everything else is
     comm's own (a new public name is a decision: move one out, or say why in the README)."""

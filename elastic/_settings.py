@@ -1,0 +1,95 @@
+"""The training layer's settings: one row each (``elastic.comm``'s ``Setting``), its own table.
+
+What a roll-back, a straggler and the progress line act on belongs here, not in comm's
+``Config``: the launcher makes its options and the processes' variables from these rows
+(``ROWS``), and a rank reads them from its job's environment (``Training.of(world)``), where the
+launcher put them (a spawned replacement gets its parents').
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping
+
+from elastic.comm import ConfigError, Group
+from elastic.comm.runtime import Setting, check, fields_match, read, write
+
+
+class OnNonFinite(enum.Enum):
+    """What a NaN or an Inf at a recovery point does (the version is never made current)."""
+
+    ROLLBACK = "rollback"  # every rank back to the last good version, then the step again
+    SKIP = "skip"          # the same, and the offending step is dropped
+    STOP = "stop"          # an agreed error
+
+    @classmethod
+    def of(cls, value: OnNonFinite | str, where: str = "on_nonfinite") -> OnNonFinite:
+        """``value`` as a member, or a ``ConfigError`` naming ``where`` and what to give."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            raise ConfigError(f"{where}={value!r}: give one of {', '.join(m.value for m in cls)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """The training layer's settings (``ROWS`` names each one's variable, check and option).
+
+    Args:
+        max_failures: failures (or roll-backs) in a row without a successful commit before the job stops.
+        progress_every / progress_seconds: a progress line on rank 0 every that many steps
+            and/or seconds (0: not by that measure).
+        on_nonfinite: a NaN or Inf in the loss, the gradients' norm or the committed values at a
+            recovery point (``OnNonFinite``).
+        straggler_factor: a rank whose own work per step is this many times the median's ...
+        straggler_steps: ... for this many steps in a row is evicted like a failed rank (0: off).
+        keep_versions: committed versions a ``State`` keeps, the current one included: a step not
+            finite again after its roll-back goes back one more (``ReplicatedStore.fall_back``).
+    """
+
+    max_failures: int = 3
+    progress_every: int = 10
+    progress_seconds: float = 0.0
+    on_nonfinite: OnNonFinite = OnNonFinite.ROLLBACK
+    straggler_factor: float = 0.0
+    straggler_steps: int = 5
+    keep_versions: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_nonfinite", OnNonFinite.of(self.on_nonfinite))
+        check(ROWS, self)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> Training:
+        """The settings ``environ`` gives, then ``overrides`` (None values ignored)."""
+        return cls(**read(ROWS, environ, overrides))
+
+    @classmethod
+    def of(cls, world: Group) -> Training:
+        """This rank's settings: its job's environment (local)."""
+        return cls.from_env(world.job.environ)
+
+    def to_env(self) -> dict[str, str]:
+        return write(ROWS, self)
+
+
+ROWS = (
+    Setting("max_failures", "ELASTIC_MAX_FAILURES", int, "takes integers >= 0", lambda v: v >= 0),
+    Setting("progress_every", "ELASTIC_PROGRESS_EVERY", int, "takes steps >= 0 (0: not by steps)", lambda v: v >= 0),
+    Setting("progress_seconds", "ELASTIC_PROGRESS_SECONDS", float, "takes seconds >= 0 (0: not by time)",
+            lambda v: v >= 0),
+    Setting("on_nonfinite", "ELASTIC_ON_NONFINITE", lambda t: OnNonFinite(t.strip().lower()),
+            f"give one of {', '.join(m.value for m in OnNonFinite)}", option="--on-nonfinite",
+            help="a NaN / Inf at a commit: roll back and run the step again, roll back and drop the step, or stop",
+            choices=tuple(m.value for m in OnNonFinite)),
+    Setting("straggler_factor", "ELASTIC_STRAGGLER_FACTOR", float, "takes a factor > 1, or 0 for off",
+            lambda v: v == 0 or v > 1),
+    Setting("straggler_steps", "ELASTIC_STRAGGLER_STEPS", int, "takes steps >= 1", lambda v: v >= 1),
+    Setting("keep_versions", "ELASTIC_KEEP_VERSIONS", int, "takes versions >= 1 (the current one counts)",
+            lambda v: v >= 1, "--keep-versions", "committed versions each State keeps: a step not finite again "
+            "after its roll-back goes back one more, K - 1 at most; each costs one version's memory"),
+)
+fields_match(ROWS, Training)
+FIELDS = frozenset(row.name for row in ROWS)
