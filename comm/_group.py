@@ -1,7 +1,9 @@
 """The contract between comm and the layers above: what they may know and call of the job.
 
-The store, ``State``, the step clock, the pipeline loop and the data sampler
-take a ``Group``, never a ``World``: identity (who this rank is now), agreed
+The store, the step clock, the stage rebuild and the data sampler take a
+``Group``; the loops that recover (``elastic.run``, ``roll_forward``, ``State``)
+a ``Recoverable`` (a ``Group`` that also recovers, finishes, interrupts and
+fails); never a ``World``. A ``Group`` is: identity (who this rank is now), agreed
 calls (the outcome is the same on every active rank, or ``ProcessFailure``
 everywhere), the data plane, fault points and the event log, and ``job``: the
 few facts of the job the layers above need (its first size, its settings, was
@@ -23,6 +25,7 @@ from .faults import Injection
 if TYPE_CHECKING:
     import numpy as np
 
+    from ._policy import Outlook
     from ._rebuild import Rebuild
 
 
@@ -75,7 +78,8 @@ class Job(Protocol):
     def data_fault(self, action: str) -> Injection | None: ...
     @property
     def ended(self) -> bool: ...
-    def fail(self, kind: str, message: str) -> NoReturn: ...
+    @property
+    def local_rank(self) -> int: ...
 
 
 class Group(Protocol):
@@ -106,6 +110,8 @@ class Group(Protocol):
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
                  point: str = ..., step: int | None = ...) -> int: ...
     def allreduce(self, arrays: list[np.ndarray], step: int | None = ...) -> None: ...
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = ...) -> None: ...
 
     # ------------------------------------------------------ faults, record, the job
     def fault_point(self, step: int | None, point: str = ..., *, implied: bool = ...) -> None: ...
@@ -113,6 +119,27 @@ class Group(Protocol):
     def events(self) -> EventSink: ...
     @property
     def job(self) -> Job: ...
+
+
+class Recoverable(Group, Protocol):
+    """What a recovery loop drives beside the ``Group`` (``elastic.run``, ``roll_forward``, ``State``'s
+    fencing and evictions): ``World`` implements it, and so does a simulated rank."""
+
+    def recover(self, outlook: Outlook | None = ...) -> Rebuild:
+        """Rebuild after a ``ProcessFailure`` (collective over every survivor)."""
+        ...
+
+    def finish(self) -> None:
+        """End the job cleanly (collective over the active ranks); ``ProcessFailure`` everywhere alike."""
+        ...
+
+    def interrupt(self) -> None:
+        """Every peer leaves what it waits for in this generation with ``ProcessFailure`` (local)."""
+        ...
+
+    def fail(self, kind: str, message: str) -> NoReturn:
+        """This process fails alone, now, recorded as ``kind``: the others recover (local)."""
+        ...
 
 
 def first_survivor(group: Group) -> CurrentRank:

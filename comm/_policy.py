@@ -11,7 +11,7 @@ the other implementation. Pure: no MPI.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from ._config import MODES
 from .wire import message
@@ -85,3 +85,18 @@ class FixedOrder:
             return Decision((), f"{rest} of {context.lost} lost rank(s) cannot be filled: {why}{failed}; "
                                 "add spares (--spares), allow 'spawn', or lower min_size")
         return Decision(tuple(used), f"configured order {','.join(self.modes)}{failed}")
+
+
+def fill(modes: Sequence[str], pending: Sequence[int], spares: int) -> list[tuple[str, list[int]]]:
+    """The fill rule: which lost logical ranks each decided mode takes, in the modes' order (pure,
+    the same on every process; the real rebuild and the simulated one both follow it). A spare
+    takes as many as are parked, lowest logical rank first; a spawn or a shrink takes the rest;
+    a mode with nothing left to take, or none of ``MODES``, is skipped. What no mode takes is
+    ``pending`` less the returned ranks (the job cannot fill it)."""
+    plan, left = [], sorted(pending)
+    for mode in modes:
+        take = left[:spares] if mode == "spare" else list(left) if mode in MODES else []
+        if take:
+            plan.append((mode, take))
+            left = left[len(take):]
+    return plan

@@ -28,7 +28,7 @@ from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, transla
 from ._config import Config
 from .events import EventLog, read_cause
 from ._membership import Members, Proc
-from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy
+from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy, fill
 from ._ranks import SPARE, LogicalRank, Role
 from ._watchdog import Watchdog
 from .wire import message
@@ -244,23 +244,18 @@ class Rebuilder:
         unavailable: set[str] = set()
         while done.pending:
             decision = self._decide(members, sorted(done.pending), frozenset(unavailable))
-            for mode in decision.modes:
-                todo = sorted(done.pending)
-                if not todo:
-                    break
+            for mode, take in fill(decision.modes, sorted(done.pending), members.spares()):
                 if mode == "spare":
-                    placed = []
-                    for u, logical in zip([u for u, e in enumerate(members.table) if e == SPARE], todo):
+                    for u, logical in zip([u for u, e in enumerate(members.table) if e == SPARE], take):
                         members.table[u] = logical
-                        placed.append(logical)
-                    done.placed(mode, placed, replaced=True)
+                    done.placed(mode, take, replaced=True)
                 elif mode == "spawn":
-                    if not self._spawn(members, todo):
+                    if not self._spawn(members, take):
                         unavailable.add("spawn")
                         break  # ask again: the policy chooses what stands in for the spawn
-                    done.placed(mode, todo, replaced=True)
-                elif mode == "shrink":
-                    done.placed(mode, todo, replaced=False)
+                    done.placed(mode, take, replaced=True)
+                else:  # shrink
+                    done.placed(mode, take, replaced=False)
             else:
                 if done.pending:
                     self._stop(members, f"logical ranks {sorted(done.pending)} were lost and the decided modes "

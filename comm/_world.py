@@ -180,7 +180,37 @@ class World:
             return _collectives.exchange(self._comm, _collectives.by_rank(outgoing, order),
                                          _collectives.by_rank(incoming, order), lambda: self.fault_point(step, point))
 
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = None) -> None:
+        """Point-to-point exchange with some peers, e.g. a stencil's halos (collective among the
+        ranks named, blocking). ``sends``: (current rank, tag, array); ``receives``: (current
+        rank, tag, writable array). Every transfer is posted non-blocking, then one ``Waitall``:
+        a dead peer, or a peer's revoke of ``comm`` (it began a recovery), is ``ProcessFailure``
+        here. (``Sendrecv`` with a dead peer has crashed survivors inside Open MPI.) A
+        ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
+        at = self._step if step is None else step
+        comm = self._comm
+        with self._guard():
+            requests = [comm.Irecv(array, source, tag) for source, tag, array in receives]
+            requests += [comm.Isend(array, dest, tag) for dest, tag, array in sends]
+            self.fault_point(at, "collective")
+            MPI.Request.Waitall(requests)
+
     # ------------------------------------------------------- the lifecycle
+    def interrupt(self) -> None:
+        """Revoke the active communicator (local): every peer leaves what it waits for in it with
+        ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
+        try:
+            self._comm.Revoke()
+        except MPI.Exception:
+            pass  # revoked by a peer already
+
+    def fail(self, kind: str, message: str) -> NoReturn:
+        """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
+        so that the others see a failure at once and recover from it. Never returns."""
+        self._lifecycle.fail(kind, message)
+        raise AssertionError("unreachable: the lifecycle kills this process")
+
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
         """Rebuild after a ``ProcessFailure`` (collective over every survivor, blocking).
 
@@ -453,12 +483,6 @@ class WorldJob:
         lifecycle = self._world._lifecycle
         return lifecycle.finished or lifecycle.stopped
 
-    def fail(self, kind: str, message: str) -> NoReturn:
-        """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
-        so that the others see a failure at once and recover from it. Never returns."""
-        self._world._lifecycle.fail(kind, message)
-        raise AssertionError("unreachable: the lifecycle kills this process")
-
 
 class WorldMpi:
     """The communicators under the World (``world.mpi``), for programs that call mpi4py themselves:
@@ -489,34 +513,9 @@ class WorldMpi:
             self._world.fault_point(step, "collective")
             request.Wait()
 
-    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
-                  step: int | None = None) -> None:
-        """Point-to-point exchange with some peers, e.g. a stencil's halos (collective among the
-        ranks named, blocking). ``sends``: (current rank, tag, array); ``receives``: (current
-        rank, tag, writable array). Every transfer is posted non-blocking, then one ``Waitall``:
-        a dead peer, or a peer's revoke of ``comm`` (it began a recovery), is ``ProcessFailure``
-        here. (``Sendrecv`` with a dead peer has crashed survivors inside Open MPI.) A
-        ``collective`` fault of ``step`` (default: the loop's step) fires in flight."""
-        world = self._world
-        at = world._step if step is None else step
-        comm = self.comm
-        with self.guard():
-            requests = [comm.Irecv(array, source, tag) for source, tag, array in receives]
-            requests += [comm.Isend(array, dest, tag) for dest, tag, array in sends]
-            world.fault_point(at, "collective")
-            MPI.Request.Waitall(requests)
-
-    def interrupt(self) -> None:
-        """Revoke the active communicator (local): every peer leaves what it waits for in it with
-        ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
-        try:
-            self.comm.Revoke()
-        except MPI.Exception:
-            pass  # revoked by a peer already
-
 
 if TYPE_CHECKING:
-    from ._group import Group
+    from ._group import Recoverable
 
-    def _keeps_the_contract(world: World) -> Group:  # mypy checks that World implements Group
+    def _keeps_the_contract(world: World) -> Recoverable:  # mypy checks that World implements it
         return world

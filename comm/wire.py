@@ -197,30 +197,43 @@ def _decode(node: Any, leaf: Callable[[str, str], Any]) -> Any:
         return node
     if isinstance(node, list):
         return [_decode(v, leaf) for v in node]
-    if not isinstance(node, dict) or len(node) not in (1, 2):
-        raise ValueError(f"unexpected node {str(node)[:80]}")
-    if "dict" in node:
-        return {_key(k): _decode(v, leaf) for k, v in node["dict"]}
-    if "tuple" in node:
-        return tuple(_decode(v, leaf) for v in node["tuple"])
-    if "set" in node:
-        return {_decode(v, leaf) for v in node["set"]}  # an unhashable element: TypeError
-    if "array" in node:
-        kind = str(node["kind"])
-        if kind != "numpy" and not kind.startswith("torch:"):
-            raise ValueError(f"unknown array kind {kind!r}")
-        return leaf(str(node["array"]), kind)
-    if "scalar" in node:
-        dtype = np.dtype(str(node["scalar"]))
-        if dtype.kind not in "biufc":
-            raise ValueError(f"a scalar of dtype {dtype}")
-        return dtype.type(node["v"])
-    if "message" in node:
-        cls = _MESSAGES.get(str(node["message"]))
-        if cls is None:
-            raise ValueError(f"unknown message type {node['message']!r}")
-        return cls(**_decode(node["fields"], leaf))
+    if isinstance(node, dict) and len(node) in (1, 2):
+        for kind, decode in _NODES.items():
+            if kind in node:
+                return decode(node, leaf)
     raise ValueError(f"unexpected node {str(node)[:80]}")
+
+
+def _array(node: dict[str, Any], leaf: Callable[[str, str], Any]) -> Any:
+    kind = str(node["kind"])
+    if kind != "numpy" and not kind.startswith("torch:"):
+        raise ValueError(f"unknown array kind {kind!r}")
+    return leaf(str(node["array"]), kind)
+
+
+def _scalar(node: dict[str, Any], leaf: Callable[[str, str], Any]) -> Any:
+    dtype = np.dtype(str(node["scalar"]))
+    if dtype.kind not in "biufc":
+        raise ValueError(f"a scalar of dtype {dtype}")
+    return dtype.type(node["v"])
+
+
+def _message(node: dict[str, Any], leaf: Callable[[str, str], Any]) -> Any:
+    cls = _MESSAGES.get(str(node["message"]))
+    if cls is None:
+        raise ValueError(f"unknown message type {node['message']!r}")
+    return cls(**_decode(node["fields"], leaf))
+
+
+# A structured node's kind (its first key) -> how it is built; nothing else is ever built.
+_NODES: dict[str, Callable[[dict[str, Any], Callable[[str, str], Any]], Any]] = {
+    "dict": lambda node, leaf: {_key(k): _decode(v, leaf) for k, v in node["dict"]},
+    "tuple": lambda node, leaf: tuple(_decode(v, leaf) for v in node["tuple"]),
+    "set": lambda node, leaf: {_decode(v, leaf) for v in node["set"]},  # an unhashable element: TypeError
+    "array": _array,
+    "scalar": _scalar,
+    "message": _message,
+}
 
 
 def _key(key: Any) -> str | int:

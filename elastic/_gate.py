@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from elastic.comm import Group, ProcessFailure, Unrecoverable, agreed
+from elastic.comm import ProcessFailure, Recoverable, Unrecoverable, agreed
 from elastic.recovery import CommitRejected, ReplicatedStore, checksum
 
 from ._capture import INDEX, Capture
@@ -34,7 +34,7 @@ class Gate:
     """The gate of one ``State``: what this rank saw since the last commit, the steps dropped, the
     roll-backs in a row (local state; ``check`` and ``roll_back`` are collective)."""
 
-    def __init__(self, world: Group, max_failures: int) -> None:
+    def __init__(self, world: Recoverable, max_failures: int) -> None:
         self._world, self._max_failures = world, max_failures
         self._seen: tuple[int, str] | None = None  # the first step since the last commit not finite
         self.dropped: set[int] = set()             # steps dropped for it (OnNonFinite.SKIP)
@@ -98,7 +98,7 @@ class Gate:
         world.events.emit("integrity", verdict="fenced", version=version, ranks=list(fenced),
                           values={str(r): list(n) for r, n in differ.items()})
         if int(world.logical_rank) in fenced:
-            world.job.fail("integrity", why)
+            world.fail("integrity", why)
         raise ProcessFailure(why)
 
     def roll_back(self, error: NonFinite, mode: OnNonFinite, store: ReplicatedStore, restore: Callable[[], None],

@@ -4,28 +4,20 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 import numpy as np
 
-from elastic.comm import (
-    Config, ConfigError, Group, ProcessFailure, Rebuild, RebuildPolicy, Role, Unrecoverable, World, agreed,
-)
+from elastic.comm import Config, ConfigError, Group, Outlook, Rebuild, RebuildPolicy, Recoverable, World
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
+from ._driver import check_streak, drive
 from ._integrity import NonFinite
 from ._settings import FIELDS, OnNonFinite, Training
 from ._state import State
 
 T = TypeVar("T")
-# Data planes besides MPI (elastic.distributed): how each tells a peer's death from other errors,
-# and how it lets go of its collectives so that no rank waits in one while the others rebuild.
-_DATA_PLANES: list[tuple[Callable[[BaseException], bool], Callable[[], None]]] = []
-
-
-def register_data_plane(is_peer_failure: Callable[[BaseException], bool], abort: Callable[[], None]) -> None:
-    _DATA_PLANES.append((is_peer_failure, abort))
 
 
 def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
@@ -43,7 +35,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     training = {k: settings.pop(k) for k in list(settings) if k in FIELDS}
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
     environ = {**os.environ, **Training.from_env(os.environ, **training).to_env()} if training else None
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:  # (a program may block torch with None there)
         # A torch optimizer imports torch._dynamo when the first one is made (1.1 s here): a program
         # that makes it after init (a pipeline stage's, which needs the logical rank) would have its
         # promoted spare pay that after the failure; every process pays it here instead, a spare
@@ -53,7 +45,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,
-        on_reset: Callable[[World, Rebuild], None] | None = None, on_nonfinite: OnNonFinite | str | None = None) -> Any:
+        on_reset: Callable[[Any, Rebuild], None] | None = None, on_nonfinite: OnNonFinite | str | None = None) -> Any:
     """Decorate ``func(world, state, ...)`` so that it survives the loss of ranks.
 
     The contract, on every active rank: *sync* (everyone starts from the same
@@ -90,55 +82,56 @@ def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None
     mode = None if on_nonfinite is None else OnNonFinite.of(on_nonfinite)
 
     @functools.wraps(func)
-    def wrapper(world: World, state: State, *args: Any, **kwargs: Any) -> T:
+    def wrapper(world: Recoverable, state: State, *args: Any, **kwargs: Any) -> T:
         settings = Training.of(world)
         limit = settings.max_failures if max_failures is None else max_failures
-        reset = world.role is Role.RECOVERED
-        while True:
-            try:
-                resumed = reset
-                if reset:
-                    _check_streak(world, limit)
-                    state._recover()
-                    reset = False
-                state.sync()
-                if resumed and world.last_rebuild is not None:
-                    world.events.emit("resumed", version=state.version, failures=world.last_rebuild.streak)
-                    if on_reset is not None:
-                        on_reset(world, world.last_rebuild)
-                try:
-                    result = func(world, state, *args, **kwargs)
-                except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
-                    world.job.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
-                state.commit()
-                world.finish()
-                return result
-            except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
-                state._roll_back(exc, mode or settings.on_nonfinite)
-            except Exception as exc:
-                if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
-                    raise
-                for _, abort in _DATA_PLANES:
-                    abort()
-                world.recover(state.outlook)
-                reset = True
+        return drive(world, _Training(world, state, functools.partial(func, world, state, *args, **kwargs), limit,
+                                      mode or settings.on_nonfinite, on_reset))
 
     return wrapper
 
 
-def _check_streak(world: World, limit: int) -> None:
-    """Stop when more rebuilds than ``limit`` came without a successful commit between them.
+class _Training(Generic[T]):
+    """``elastic.run``'s step policy: *sync*, the program's function, a final commit; after a
+    rebuild, *restore* (lost state from peers' memory, every rank back to the last commit) and
+    *reset* (``on_reset``) before the function runs again."""
 
-    The count comes with the rebuild's agreed summary, so every process, a
-    promoted spare or a spawned one too, stops alike.
-    """
-    rebuild = world.last_rebuild
-    if rebuild is None or rebuild.streak <= limit:
-        return
-    causes = "; ".join(f"logical rank {c.get('logical')}: {c['what']}" for c in rebuild.causes)
-    raise agreed(Unrecoverable(
-        f"{rebuild.streak} failures in a row without a successful commit (max_failures={limit}); last failure: "
-        f"logical ranks {sorted(map(int, rebuild.failed))}" + (f" ({causes})" if causes else "")))
+    def __init__(self, world: Recoverable, state: State, func: Callable[[], T], limit: int, mode: OnNonFinite,
+                 on_reset: Callable[[Any, Rebuild], None] | None) -> None:
+        self._world, self._state, self._func, self._limit = world, state, func, limit
+        self._mode, self._on_reset = mode, on_reset
+        self._resumed = False  # restored since the function last ran
+
+    @property
+    def outlook(self) -> Outlook:
+        return self._state.outlook
+
+    def restore(self, rebuild: Rebuild | None) -> None:
+        check_streak(rebuild, rebuild.streak if rebuild else 0, self._limit)
+        self._state._recover()
+        self._resumed = True
+
+    def steps(self) -> T:
+        world, state = self._world, self._state
+        state.sync()
+        resumed, self._resumed = self._resumed, False
+        if resumed and world.last_rebuild is not None:
+            world.events.emit("resumed", version=state.version, failures=world.last_rebuild.streak)
+            if self._on_reset is not None:
+                self._on_reset(world, world.last_rebuild)
+        try:
+            result = self._func()
+        except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
+            world.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
+        state.commit()
+        world.finish()
+        return result
+
+    def roll_back(self, error: NonFinite) -> None:
+        self._state._roll_back(error, self._mode)
+
+    def failed(self, rebuild: Rebuild) -> None:
+        pass  # the State knows what to bring back: the store's copies say
 
 
 def allreduce_gradients(world: Group, model: Any, bucket_bytes: int = 4 << 20, step: int | None = None) -> None:
@@ -225,7 +218,7 @@ def micro_batches(indices: np.ndarray, max_size: int | None) -> Iterable[np.ndar
         yield indices[start:start + max_size]
 
 
-def device(world: World) -> Any:
+def device(world: Group) -> Any:
     """The torch device for this rank: ``cuda:<local rank % GPUs>`` where CUDA is present, else the
     CPU (local). Ask again after a rebuild: a rank's place on its host can change."""
     import torch

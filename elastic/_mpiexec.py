@@ -33,9 +33,7 @@ def build_command(plan: LaunchPlan, nprocs: int, hosts: list[tuple[str, int]] | 
     elif plan.hosts:
         cmd += ["--host", ",".join(f"{h}:{n}" for h, n in plan.hosts)]
         slots = sum(n for _, n in plan.hosts)
-    if len(hosts if hosts is not None else plan.hosts) > 1:
-        for key, value in _nodes.MULTI_NODE_MCA:
-            cmd += ["--mca", key, value]
+    many = len(hosts if hosts is not None else plan.hosts) > 1
     if plan.simulate_nodes:
         cmd += ["--mca", "plm_rsh_agent", str(agent)]
     if os.geteuid() == 0:
@@ -43,25 +41,29 @@ def build_command(plan: LaunchPlan, nprocs: int, hosts: list[tuple[str, int]] | 
     # PRRTE does not give a dead process's slot to a spawned one: with every slot taken, Spawn fails
     # (MPI_ERR_UNKNOWN). Across hosts the launcher fills every slot itself, so it lets a replacement
     # take the dead one's core; on one host given full, the rebuild falls through to the next mode.
-    spawns = "spawn" in plan.config.rebuild and len(hosts if hosts is not None else plan.hosts) > 1
-    if plan.oversubscribe or nprocs > slots or spawns:
+    if plan.oversubscribe or nprocs > slots or ("spawn" in plan.config.rebuild and many):
         cmd.append("--oversubscribe")
     if nprocs > (os.cpu_count() or 1):
         cmd += ["--bind-to", "none"]  # more processes than cores (slots can exceed them under Slurm)
-    if plan.detector:
-        for key, value in DETECTOR_MCA:
-            cmd += ["--mca", key, value]
-    if (not plan.hosts or plan.simulate_nodes) and not any(k == "btl" for k, _ in plan.mca) \
-            and "OMPI_MCA_btl" not in os.environ:
-        # One machine: shared memory and TCP carry everything. The libfabric BTL only probes its
-        # providers, 1 s of every process's MPI_Init here (a spawned replacement's too).
-        cmd += ["--mca", "btl", "^ofi"]
-    for key, value in plan.mca:
+    for key, value in _mca(plan, many):
         cmd += ["--mca", key, value]
     for name in sorted(job_env(plan.config, plan.training)):
         cmd += ["-x", name]
     # The sentinel runs with this launcher's Python; the program with whatever the command names.
     return cmd + [sys.executable, "-m", "elastic.comm._sentinel", "--"] + list(plan.command)
+
+
+def _mca(plan: LaunchPlan, many_hosts: bool) -> list[tuple[str, str]]:
+    """The MCA parameters of a launch: the project's, then the user's (``--mca``, last: they win)."""
+    params = list(_nodes.MULTI_NODE_MCA) if many_hosts else []
+    if plan.detector:
+        params += DETECTOR_MCA
+    if (not plan.hosts or plan.simulate_nodes) and not any(k == "btl" for k, _ in plan.mca) \
+            and "OMPI_MCA_btl" not in os.environ:
+        # One machine: shared memory and TCP carry everything. The libfabric BTL only probes its
+        # providers, 1 s of every process's MPI_Init here (a spawned replacement's too).
+        params.append(("btl", "^ofi"))
+    return params + list(plan.mca)
 
 
 def job_env(config: Config, training: Training) -> dict[str, str]:

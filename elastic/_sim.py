@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, TypeVar
 import numpy as np
 
 from elastic.comm import (
-    Config, ConfigError, CurrentRank, Group, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Role,
-    Settings, Unrecoverable, agreed, wire,
+    Config, ConfigError, CurrentRank, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Recoverable,
+    Role, Settings, Unrecoverable, agreed, wire,
 )
-from elastic.comm.runtime import first_survivor, is_agreed
+from elastic.comm.runtime import fill, first_survivor, is_agreed
 from elastic.comm.faults import FaultInjector, InjectedFault, Injection, parse_schedule
 from elastic.recovery import Policy
 
@@ -62,6 +62,7 @@ class _Fabric:
     streak: int = 0
     committed: bool = False
     revoked: bool = False  # a rank interrupted this generation: every collective in it fails
+    mail: dict[tuple[int, int, int, int], list[Any]] = dataclasses.field(default_factory=dict)  # neighbors()
 
 
 class SimJob:
@@ -186,6 +187,28 @@ class SimJob:
                 del f.slots[key], f.readers[key]
             return dict(slot)
 
+    def _neighbors(self, rank: "SimRank", sends: list[tuple[int, int, np.ndarray]],
+                   receives: list[tuple[int, int, np.ndarray]]) -> None:
+        """Point to point: each send posted in a mailbox, each receive waits for its message, or
+        ``ProcessFailure`` once its peer is dead or the generation revoked (a dead rank it does not
+        talk to is none of its business, as in MPI)."""
+        with self._cv:
+            f = self._fabric
+            if rank.generation != f.generation or f.revoked:
+                raise ProcessFailure("this rank's generation is gone or interrupted")
+            rank._collectives += 1
+            for dest, tag, array in sends:
+                f.mail.setdefault((f.generation, rank.logical, f.active[dest], tag), []).append(np.array(array))
+            self._cv.notify_all()
+            for source, tag, buffer in receives:
+                buffer[...] = self._receive(rank, f.active[source], tag)
+
+    def _receive(self, rank: "SimRank", peer: int, tag: int) -> Any:
+        f, key = self._fabric, (self._fabric.generation, peer, rank.logical, tag)
+        self._wait(lambda: bool(f.mail.get(key)),
+                   lambda: peer in f.dead or f.revoked or rank.generation != f.generation)
+        return f.mail[key].pop(0)
+
     def _rebuild(self, rank: "SimRank", outlook: Outlook) -> None:
         """Every live rank arrives; the first to see them all applies the policy's decision (as
         universe rank 0 would), including when the last one dies on its way instead."""
@@ -207,21 +230,18 @@ class SimJob:
         live = [r for r in f.active if r not in f.dead]
         decision = self.policy.decide(RebuildContext(len(lost), f.spares, len(live), outlook))
         replaced: list[int] = []
-        pending, used = list(lost), []
-        for mode in decision.modes:
-            take = pending if mode in ("spawn", "shrink") else pending[:f.spares] if mode == "spare" else []
-            if not take:
-                continue
-            used.append(mode)
+        plan = fill(decision.modes, lost, f.spares)  # the real rebuild's rule
+        used = [mode for mode, _ in plan]
+        for mode, take in plan:
             if mode == "spare":
                 f.spares -= len(take)
             if mode != "shrink":
                 replaced += take
-            pending = [r for r in pending if r not in take]
+        pending = sorted(set(lost) - {r for _, take in plan for r in take})
         streak = f.streak + 1
         f.generation += 1
         f.active = sorted(live + replaced)
-        f.dead, f.arrived, f.slots, f.readers, f.revoked = set(), set(), {}, {}, False
+        f.dead, f.arrived, f.slots, f.readers, f.revoked, f.mail = set(), set(), {}, {}, False, {}
         f.streak = streak
         if pending or not f.active:  # the same stop as the real rebuild's, on every rank
             self._stop = agreed(Unrecoverable(f"logical ranks {pending or lost} were lost and cannot be filled: "
@@ -251,9 +271,9 @@ class _Events:
 
 
 class SimRank:
-    """One simulated rank: a ``Group`` (what the store, ``State`` and the loops use), plus what
-    ``elastic.run`` and ``elastic.pipeline.roll_forward`` drive (``recover``, ``finish``,
-    ``job.fail``, ``mpi.interrupt``)."""
+    """One simulated rank: a ``Recoverable`` (a ``Group``: what the store and the stage rebuild use;
+    and what ``elastic.run``, ``roll_forward`` and ``State`` drive: ``recover``, ``finish``,
+    ``interrupt``, ``fail``)."""
 
     def __init__(self, job: SimJob, logical: int, role: Role) -> None:
         self._job, self.logical, self._role = job, logical, role
@@ -266,7 +286,6 @@ class SimRank:
         self._faults = FaultInjector(job.config.inject, lambda entry: self.events.emit("inject", **entry.to_dict()),
                                      act=self._act)
         self.job = _SimJobView(self)
-        self.mpi = _SimMpi(self)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -340,6 +359,11 @@ class SimRank:
                 offset += target.nbytes
         return sum(a.nbytes for a in sent.values())
 
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = None) -> None:
+        self.fault_point(self._step if step is None else step, "collective")
+        self._job._neighbors(self, sends, receives)
+
     def allreduce(self, arrays: list[np.ndarray], step: int | None = None) -> None:
         self.fault_point(self._step if step is None else step, "collective")
         got = self._job._collective(self, [np.array(a, copy=True) for a in arrays])
@@ -357,7 +381,7 @@ class SimRank:
         the rank's thread (a process killed, stopped or stalled alike: the others recover)."""
         if entry.action == "raise":
             raise InjectedFault(where)
-        self.job.fail("injected", f"{entry.action} at {where}")
+        self.fail("injected", f"{entry.action} at {where}")
 
     # ------------------------------------------------------------------ what elastic.run drives
     def recover(self, outlook: Outlook | None = None) -> Rebuild:
@@ -378,20 +402,20 @@ class SimRank:
         self._ended = True
         self.events.emit("finished")
 
-
-class _SimMpi:
-    """``rank.mpi``: no communicator to call, only ``interrupt``, a revoke: every collective of
-    this generation fails, on every rank, from now on (one already complete stays complete)."""
-
-    def __init__(self, rank: SimRank) -> None:
-        self._rank = rank
-
     def interrupt(self) -> None:
-        job = self._rank._job
+        """A revoke: every collective of this generation fails, on every rank, from now on (one
+        already complete stays complete)."""
+        job = self._job
         with job._cv:
-            if self._rank.generation == job._fabric.generation:
+            if self.generation == job._fabric.generation:
                 job._fabric.revoked = True
             job._cv.notify_all()
+
+    def fail(self, kind: str, message: str) -> NoReturn:
+        """This rank fails alone (an injected kill, ``sys.exit`` in the program): the others recover."""
+        self.events.emit("error", scope="rank", kind=kind, message=message)
+        self._job._kill(self.logical)
+        raise _Killed()
 
 
 class _SimJobView:
@@ -452,14 +476,11 @@ class _SimJobView:
     def ended(self) -> bool:
         return self._rank._ended
 
-    def fail(self, kind: str, message: str) -> NoReturn:
-        """This rank fails alone (an injected kill, ``sys.exit`` in the program): the others recover."""
-        rank = self._rank
-        rank.events.emit("error", scope="rank", kind=kind, message=message)
-        rank._job._kill(rank.logical)
-        raise _Killed()
+    @property
+    def local_rank(self) -> int:
+        return self.host_peers.index(self._rank.logical)
 
 
 if TYPE_CHECKING:
-    def _keeps_the_contract(rank: SimRank) -> Group:  # mypy checks that a simulated rank is a Group
+    def _keeps_the_contract(rank: SimRank) -> Recoverable:  # mypy checks that a simulated rank is one
         return rank

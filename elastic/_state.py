@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Group, Outlook, Unrecoverable, agreed, wire
+from elastic.comm import ConfigError, Outlook, Recoverable, Unrecoverable, agreed, wire
 from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore, share
 
 from ._capture import INDEX, Capture, is_local
@@ -60,7 +60,7 @@ class State:
             Each costs the memory of one more version.
     """
 
-    def __init__(self, world: Group, *, replication: int = 2, local: tuple[str, ...] = (),
+    def __init__(self, world: Recoverable, *, replication: int = 2, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
                  keep_versions: int | None = None, **values: Any) -> None:
         self._world = world
@@ -117,7 +117,7 @@ class State:
             self[name] = value
 
     @property
-    def world(self) -> Group:
+    def world(self) -> Recoverable:
         return self._world
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from elastic.comm import Group, ProcessFailure
+from elastic.comm import ProcessFailure, Recoverable
 
 from ._integrity import Stragglers
 from ._settings import Training
@@ -18,7 +18,7 @@ _LOG = logging.getLogger("elastic")
 
 
 class StragglerWatch:
-    def __init__(self, world: Group, factor: float, steps: int) -> None:
+    def __init__(self, world: Recoverable, factor: float, steps: int) -> None:
         self._world = world
         self._detector = Stragglers(factor, steps)
 
@@ -44,11 +44,11 @@ class StragglerWatch:
                          "replacement", why, "/".join(settings.rebuild))
             return
         if rank == int(world.logical_rank):
-            world.job.fail("straggler", why + ": evicted")
+            world.fail("straggler", why + ": evicted")
         raise ProcessFailure(why + ": evicted")
 
 
-def straggler_watch(world: Group, settings: Training) -> StragglerWatch | None:
+def straggler_watch(world: Recoverable, settings: Training) -> StragglerWatch | None:
     """The stage for the job's settings, or None when no bound is set."""
     return StragglerWatch(world, settings.straggler_factor, settings.straggler_steps) \
         if settings.straggler_factor else None

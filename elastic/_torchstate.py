@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from elastic.comm import ConfigError, Group
+from elastic.comm import ConfigError, Recoverable
 from elastic.recovery import Adopt
 
 from ._handlers import Held, Module, Rng, Stateful
@@ -27,7 +27,7 @@ class TorchState(State):
     optimizer's ``step()`` is a recovery point (``step_point`` runs just before it).
     """
 
-    def __init__(self, world: Group, *, model: Any = None, optimizer: Any = None,
+    def __init__(self, world: Recoverable, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
                  adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,

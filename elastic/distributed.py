@@ -36,7 +36,7 @@ from elastic.comm import ConfigError, World
 
 from . import _mpigroup
 from ._dcp import NothingSaved, PeerMemory
-from ._loop import register_data_plane
+from ._driver import register_data_plane
 from ._mpigroup import BACKEND
 
 __all__ = ["ProcessGroup", "DistributedDataParallel", "PeerMemory", "NothingSaved", "is_peer_failure", "abort"]

@@ -110,7 +110,7 @@ class Mesh:
         flat = np.concatenate([a.reshape(-1) for a in arrays])
         twins, me = self.twins(), int(self.world.rank)
         got = {r: np.empty_like(flat) for r in twins if r != me}
-        self.world.mpi.neighbors([(r, _TAG, flat) for r in got], [(r, _TAG, buf) for r, buf in got.items()], step)
+        self.world.neighbors([(r, _TAG, flat) for r in got], [(r, _TAG, buf) for r, buf in got.items()], step)
         total = np.zeros_like(flat)
         for r in twins:
             total += flat if r == me else got[r]

@@ -21,24 +21,49 @@ every stage), ``embed`` on the first stage and ``head`` on the last.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from elastic.comm import Group, ProcessFailure, Role, Unrecoverable, World, agreed
+from elastic.comm import Group, Outlook, ProcessFailure, Rebuild, Recoverable, Role, Unrecoverable, agreed
+from elastic.comm.wire import message
 from elastic.recovery import LR_BOOST, ReplicatedStore, checkfree_average, plan_mesh_recovery, whole_replicas
 
 from ._handlers import Module, Stateful
 from ._clock import StepClock
+from ._driver import drive, check_streak, never_non_finite
+from ._settings import Training
 from ._torchstate import TorchState
 
-__all__ = ["roll_forward", "StageRebuild", "body_grad_norm", "stage_state", "host_stages", "LR_BOOST"]
+__all__ = ["roll_forward", "StageRebuild", "Rebuilt", "body_grad_norm", "stage_state", "host_stages", "LR_BOOST"]
 
 
-def roll_forward(world: World, steps: int, compute: Callable[[int], float], apply: Callable[[int], None],
+class Rebuilt(NamedTuple):
+    """What ``StageRebuild.rebuild`` leaves this rank with."""
+
+    optimizer: Any          # its stage's optimizer (a fresh one after CheckFree)
+    grad_norm: float        # its stage's last gradient norm (a twin's, after a twin)
+    resume: int | None      # the step to go on from (the commit's, after a roll-back), or None: the survivors'
+
+
+@message
+@dataclasses.dataclass(frozen=True)
+class StagePayload:
+    """What a source sends a stage being rebuilt: a twin its whole stage and optimizer state, a
+    neighbour its blocks (``weights``) and, with ``average_moments``, its moments (``state``)."""
+
+    source: int                                   # the sender's logical rank
+    weights: dict[str, np.ndarray]
+    grad_norm: float
+    state: dict[str, Any]
+    copies: dict[str, dict[str, np.ndarray]]      # CheckFree+: the end layer the sender kept
+
+
+def roll_forward(world: Recoverable, steps: int, compute: Callable[[int], float], apply: Callable[[int], None],
                  rebuild: Callable[[set[int]], int | None], after: Callable[[int], None] | None = None,
-                 clock: StepClock | None = None) -> int:
+                 clock: StepClock | None = None, max_failures: int | None = None) -> int:
     """Run steps until ``steps`` so that every update lands on every stage or on none (collective).
 
     Args:
@@ -50,48 +75,80 @@ def roll_forward(world: World, steps: int, compute: Callable[[int], float], appl
             to go on from (every rank rolled back to a copy), or None for the step the survivors were at.
         after: collective work once step ``s`` counts as done (``StageRebuild.after_step``, a checkpoint).
         clock: records each step (events, progress line).
+        max_failures: failures in a row without a step every stage applied before the job stops
+            (default: the training settings', ``ELASTIC_MAX_FAILURES``).
 
-    Ends with ``world.finish()``; returns the steps done.
+    The loop is ``elastic.run``'s driver with the pipeline's step policy: the data-plane aborts,
+    ``max_failures`` and the ``resumed`` events hold alike. Ends with ``world.finish()``; returns
+    the steps done.
     """
-    step = 0
-    lost = {int(r) for r in world.last_rebuild.replaced} if world.last_rebuild else set()
-    pending = world.role is Role.RECOVERED
-    clock = clock or StepClock(world)
-    clock.restart()
-    while True:
-        try:
-            if pending:
-                # Every rank learns where the others are and what to bring back: a newcomer knows only
-                # its own rebuild, and one of an earlier, interrupted rebuild may not know the step yet.
-                known = world.allgather((step, sorted(lost)))
-                step, lost = max(k[0] for k in known), set().union(*(k[1] for k in known))
-                world.fault_point(None, "restore")  # the lost stages are about to be brought back
-                resume = rebuild(lost)
-                step = step if resume is None else resume
-                pending = False
-                clock.restart()
-            if step == steps:
-                break
-            world.fault_point(step)
+    limit = Training.of(world).max_failures if max_failures is None else max_failures
+    return drive(world, _RollForward(world, steps, compute, apply, rebuild, after, clock or StepClock(world), limit))
+
+
+class _RollForward:
+    """``roll_forward``'s step policy: a vote before each update; after a rebuild, every rank learns
+    the step and the stages to bring back, and ``rebuild`` brings them back."""
+
+    def __init__(self, world: Recoverable, steps: int, compute: Callable[[int], float],
+                 apply: Callable[[int], None], rebuild: Callable[[set[int]], int | None],
+                 after: Callable[[int], None] | None, clock: StepClock, limit: int) -> None:
+        self._world, self._steps, self._compute, self._apply = world, steps, compute, apply
+        self._rebuild, self._after, self._clock, self._limit = rebuild, after, clock, limit
+        self.step = 0
+        self._lost = {int(r) for r in world.last_rebuild.replaced} if world.last_rebuild else set()
+        self._pending = world.role is Role.RECOVERED  # stages to bring back before the next step
+        self._applied_at = 0  # the generation of the last step every stage applied (failures in a row since)
+        clock.restart()
+
+    @property
+    def outlook(self) -> Outlook:
+        return self._clock.outlook
+
+    def restore(self, rebuild: Rebuild | None) -> None:
+        world = self._world
+        # Every rank learns where the others are and what to bring back: a newcomer knows only its
+        # own rebuild, and one of an earlier, interrupted rebuild may not know the step yet.
+        known = world.allgather((self.step, sorted(self._lost), self._applied_at))
+        self.step, self._lost = max(k[0] for k in known), set().union(*(k[1] for k in known))
+        self._applied_at = max(k[2] for k in known)
+        check_streak(rebuild, world.generation - self._applied_at, self._limit)
+        world.fault_point(None, "restore")  # the lost stages are about to be brought back
+        resume = self._rebuild(self._lost)
+        self.step = self.step if resume is None else resume
+        self._pending = False
+        world.events.emit("resumed", version=None, step=self.step,
+                          failures=world.generation - self._applied_at)
+        self._clock.restart()
+
+    def steps(self) -> int:
+        world = self._world
+        while self.step < self._steps:
+            world.fault_point(self.step)
             try:
-                loss, ok = compute(step), True
+                loss, ok = self._compute(self.step), True
             except ProcessFailure:
                 loss, ok = float("nan"), False
-                world.mpi.interrupt()  # peers waiting on this rank's messages must not wait for ever
+                world.interrupt()  # peers waiting on this rank's messages must not wait for ever
             world.vote(ok, "a stage could not finish the step")
-            apply(step)
-            step += 1
-            if after is not None:
-                after(step)
-            clock.step_done(step, loss, total=steps)
-        except ProcessFailure:  # a failure during a rebuild leaves its stages to bring back too
-            lost = (lost if pending else set()) | {int(r) for r in world.recover(clock.outlook).replaced}
-            pending = True
-    world.finish()
-    return step
+            self._applied_at = world.generation
+            self._apply(self.step)
+            self.step += 1
+            if self._after is not None:
+                self._after(self.step)
+            self._clock.step_done(self.step, loss, total=self._steps)
+        world.finish()
+        return self.step
+
+    roll_back = staticmethod(never_non_finite)
+
+    def failed(self, rebuild: Rebuild) -> None:
+        # A failure while stages were brought back leaves their stages to bring back too.
+        self._lost = (self._lost if self._pending else set()) | {int(r) for r in rebuild.replaced}
+        self._pending = True
 
 
-def stage_state(world: Group, stage: Any, optimizer: Any, **values: Any) -> TorchState:
+def stage_state(world: Recoverable, stage: Any, optimizer: Any, **values: Any) -> TorchState:
     """A pipeline on ``elastic.run``: this rank's stage and optimizer (and ``values``) in a ``TorchState``.
 
     Every stage's values are per rank (they differ across stages), and after a
@@ -211,66 +268,88 @@ class StageRebuild:
                 self.copies[got[0]] = got[1]
 
     def rebuild(self, lost: set[int], me: int, stage: Any, optimizer: Any, grad_norm: float,
-                make_optimizer: Callable[[float], Any]) -> tuple[Any, float, int | None]:
+                make_optimizer: Callable[[float], Any]) -> Rebuilt:
         """Bring back the stages of the logical ranks in ``lost``, on every rank alike (collective):
         each from a live twin (its weights, optimizer state, last gradient norm and end-layer copies:
         bitwise); where one has none, every rank rolls back to the store's last commit, which brings
         back each lost stage that still has a copy (bitwise); CheckFree, or CheckFree+ for an end
         stage, for those that have neither; else ``Unrecoverable`` naming the stages. ``me``: this
         rank's logical rank; ``make_optimizer(lr_factor)`` gives a stage rebuilt by CheckFree its
-        fresh optimizer. Returns the optimizer and the gradient norm this rank goes on with, and
-        the step to go on from (that of the commit after a roll-back, else None)."""
+        fresh optimizer. Returns what this rank goes on with (``Rebuilt``)."""
         resume = None
         plan, problem = self._plan(lost)
         # The store comes back on every rebuild (it must follow the world), and is used where a twin is not enough.
         if self.store is not None and self.store.recover(give_up=True) and \
                 (problem is not None or any(way.method != "twin" for way in plan)):
-            given_up = set(self.store.given_up)
-            if me not in given_up:
-                grad_norm = self._roll_back(stage, optimizer)
-            resume = self.store.version  # the step it was committed at
-            for rank in sorted(lost - given_up):
-                if rank == me and me // self.stages not in self._dropped():
-                    self.world.events.emit("stage_rebuilt", stage=me % self.stages, method="store", sources=[],
-                                           replica=me // self.stages, moments=True, step=resume)
-            plan, problem = self._plan(given_up)  # what has no copy left, from twins or neighbours at the commit
-            if problem is not None:
-                problem = Unrecoverable(f"{problem} (and no copy of them was left in the store)")
+            grad_norm, resume, plan, problem = self._from_store(lost, me, stage, optimizer, grad_norm)
         if problem is not None:  # every rank plans from the same agreed data: stop together
             raise agreed(problem)
-        sends: dict[int, list] = {}
+        received = self._exchange(plan, me, stage, optimizer, grad_norm)
+        for way in (w for w in plan if w.rank == me):
+            optimizer, grad_norm = self._take(way, received, stage, optimizer, grad_norm, make_optimizer)
+        return Rebuilt(optimizer, grad_norm, resume)
+
+    def _from_store(self, lost: set[int], me: int, stage: Any, optimizer: Any, grad_norm: float
+                    ) -> tuple[float, int | None, list[Any], Unrecoverable | None]:
+        """Every rank back to the store's last commit (collective): the lost stages that kept a copy
+        come back bitwise; returns the gradient norm, the step to resume at, and the plan for the
+        stages that had none (from twins or neighbours at the commit)."""
+        assert self.store is not None
+        given_up = set(self.store.given_up)
+        if me not in given_up:
+            grad_norm = self._roll_back(stage, optimizer)
+        resume = self.store.version  # the step it was committed at
+        if me in lost - given_up and me // self.stages not in self._dropped():
+            self.world.events.emit("stage_rebuilt", stage=me % self.stages, method="store", sources=[],
+                                   replica=me // self.stages, moments=True, step=resume)
+        plan, problem = self._plan(given_up)
+        if problem is not None:
+            problem = Unrecoverable(f"{problem} (and no copy of them was left in the store)")
+        return grad_norm, resume, plan, problem
+
+    def _exchange(self, plan: list[Any], me: int, stage: Any, optimizer: Any, grad_norm: float
+                  ) -> dict[int, StagePayload]:
+        """What each source sends to each stage being rebuilt (collective): a twin its whole stage, a
+        neighbour its blocks (and its moments, with ``average_moments``); by source."""
+        sends: dict[int, list[StagePayload]] = {}
         for way in plan:
             if way.method == "twin" and me == way.sources[0]:
-                sends.setdefault(self._current(way.rank), []).append(
-                    (me, _arrays(stage), grad_norm, optimizer.state_dict(), self.copies))
+                payload = StagePayload(me, _arrays(stage), grad_norm, optimizer.state_dict(), self.copies)
             elif way.method != "twin" and me in way.sources:
-                sends.setdefault(self._current(way.rank), []).append(
-                    (me, _arrays(stage.body), grad_norm,
-                     _moments(stage, optimizer) if self.average_moments else {}, self.copies))
-        received = {item[0]: item[1:] for got in self.world.alltoall(sends) if got for item in got}
-        for way in (w for w in plan if w.rank == me):
-            moments: Any = {}
-            if way.method == "twin":
-                weights, grad_norm, state, copies = received[way.sources[0]]
-                _load(stage, weights)
-                optimizer.load_state_dict(state)
-                self.copies = copies
-            elif way.method == "checkfree":
-                (b0, n0, m0, _), (b1, n1, m1, _) = received[way.sources[0]], received[way.sources[1]]
-                _load(stage.body, checkfree_average(b0, b1, n0, n1))
-                moments = checkfree_average(m0, m1, n0, n1) if m0 and m1 else {}
-            else:  # checkfree+: the swapped neighbour's blocks, and the end layer it kept a copy of
-                body, _, moments, copies = received[way.sources[0]]
-                part = "embed" if way.stage == 0 else "head"
-                _load(stage.body, body)
-                _load(getattr(stage, part), copies[part])
-            self.world.events.emit("stage_rebuilt", stage=way.stage, method=way.method, sources=list(way.sources),
-                                   replica=me // self.stages, moments=bool(moments))
-            if way.method != "twin":
-                optimizer = make_optimizer(LR_BOOST)
-                if moments:
-                    _seed_moments(stage, optimizer, moments)
-        return optimizer, grad_norm, resume
+                payload = StagePayload(me, _arrays(stage.body), grad_norm,
+                                       _moments(stage, optimizer) if self.average_moments else {}, self.copies)
+            else:
+                continue
+            sends.setdefault(self._current(way.rank), []).append(payload)
+        return {p.source: p for got in self.world.alltoall(sends) if got for p in got}
+
+    def _take(self, way: Any, received: dict[int, StagePayload], stage: Any, optimizer: Any, grad_norm: float,
+              make_optimizer: Callable[[float], Any]) -> tuple[Any, float]:
+        """This rank's stage from what its sources sent, by the plan's method (local)."""
+        moments: Any = {}
+        if way.method == "twin":
+            twin = received[way.sources[0]]
+            _load(stage, twin.weights)
+            optimizer.load_state_dict(twin.state)
+            self.copies, grad_norm = twin.copies, twin.grad_norm
+        elif way.method == "checkfree":
+            a, b = received[way.sources[0]], received[way.sources[1]]
+            _load(stage.body, checkfree_average(a.weights, b.weights, a.grad_norm, b.grad_norm))
+            moments = checkfree_average(a.state, b.state, a.grad_norm, b.grad_norm) if a.state and b.state else {}
+        else:  # checkfree+: the swapped neighbour's blocks, and the end layer it kept a copy of
+            swapped = received[way.sources[0]]
+            _load(stage.body, swapped.weights)
+            _load(getattr(stage, "embed" if way.stage == 0 else "head"), swapped.copies["embed" if way.stage == 0
+                                                                                       else "head"])
+            moments = swapped.state
+        me = int(self.world.logical_rank)
+        self.world.events.emit("stage_rebuilt", stage=way.stage, method=way.method, sources=list(way.sources),
+                               replica=me // self.stages, moments=bool(moments))
+        if way.method != "twin":
+            optimizer = make_optimizer(LR_BOOST)
+            if moments:
+                _seed_moments(stage, optimizer, moments)
+        return optimizer, grad_norm
 
     def _plan(self, lost: set[int]) -> tuple[list[Any], Unrecoverable | None]:
         try:

@@ -10,7 +10,7 @@ after every reset, and a halo between two slabs on one rank is a copy. Each
 cell's update has the same arithmetic whoever computes it, so the final rod is
 bitwise the failure-free run's in every rebuild mode.
 
-The halos go through ``world.mpi.neighbors`` (``Isend``/``Irecv``/``Waitall``): a dead
+The halos go through ``world.neighbors`` (``Isend``/``Irecv``/``Waitall``): a dead
 neighbour, or one that began a recovery (it revokes the communicator), is a
 ``ProcessFailure`` on every rank waiting for it, never a crash inside MPI.
 
@@ -49,7 +49,7 @@ def step_once(world: elastic.World, state: elastic.State, owner: dict[int, int],
             else:
                 receives.append((owner[neighbour], 2 * s + side, halo[s][side:side + 1]))
                 sends.append((owner[neighbour], 2 * neighbour + 1 - side, np.ascontiguousarray(edge)))
-    world.mpi.neighbors(sends, receives)
+    world.neighbors(sends, receives)
     for s in slabs:
         u = state[f"slab.{s}"]
         padded = np.concatenate(([halo[s][0]], u, [halo[s][1]]))

@@ -38,11 +38,11 @@ import dataclasses
 import socket
 import threading
 import time
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import xxhash
-from elastic.comm import ConfigError, Group, ProcessFailure, agreed, wire
+from elastic.comm import ConfigError, Group, LogicalRank, ProcessFailure, agreed, wire
 
 from ._backing import Backing, Found, Payload, backing
 from ._errors import CommitRejected, NothingCommitted
@@ -272,6 +272,40 @@ class ReplicatedStore:
         return self._current.number
 
     # -------------------------------------------------------------- commit
+    def _announce(self, mine: list[Piece], ranks: Sequence[LogicalRank], replicated: int,
+                  shape: tuple[int, int] | None) -> list[Any]:
+        """What each holder gets from every rank (collective unless steady, ``shape`` None): the
+        pieces with the payload's size, O(pieces) per peer; steady, what was said last time."""
+        if shape is None:
+            assert self._told is not None
+            return self._told[1]
+        current = {int(r): i for i, r in enumerate(ranks)}
+        notes: dict[int, list[tuple[int, int, int, int]]] = {}
+        for p in mine:
+            notes.setdefault(current[p.holder], []).append((p.copy, p.first, p.count, replicated))
+        told = self.world.alltoall(notes)
+        self._told = (shape, told)
+        return told
+
+    def _receive(self, told: list[Any], ranks: Sequence[LogicalRank], version: int, replicated: int
+                 ) -> tuple[np.ndarray, dict[tuple[int, int, int], _Held], dict[int, list[np.ndarray]], dict[int, int]]:
+        """Where the copies arrive, in current-rank order, in one buffer: a view of it per piece; with
+        what peers hold of each payload (its size) (local)."""
+        me = int(self.world.logical_rank)
+        spans = [(int(ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
+                 for r, got in enumerate(told) for copy, first, count, size in got or []]
+        buffer = self._backing.receive_buffer(sum(span[-1] for span in spans), version)
+        held: dict[tuple[int, int, int], _Held] = {}
+        incoming: dict[int, list[np.ndarray]] = {}
+        sizes, offset = {me: replicated}, 0
+        for owner, copy, first, count, size, nbytes in spans:
+            data = buffer[offset:offset + nbytes]
+            held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me), data, [], offset)
+            offset += nbytes
+            incoming.setdefault(owner, []).append(data)
+            sizes[owner] = size
+        return buffer, held, incoming, sizes
+
     def _commit(self, contents: Mapping[int, Mapping[str, Any]], version: int,
                 unreplicated: frozenset[str] = frozenset()) -> None:
         self._settle()  # the last commit's checksums, before any buffer changes hands
@@ -298,34 +332,12 @@ class ReplicatedStore:
             if len(layout.ranks) < self.replication and not self._said_reduced:
                 self._said_reduced = True  # shrunk below the replication: fewer copies than asked for
                 world.events.emit("replication_reduced", replication=self.replication, ranks=len(layout.ranks))
-            # What goes to each holder, announced with the payload's size: O(pieces) per peer.
-            notes: dict[int, list[tuple[int, int, int, int]]] = {}
             ranks = world.logical_ranks  # built from the membership table: read once
-            current = {int(r): i for i, r in enumerate(ranks)}
-            for p in mine:
-                notes.setdefault(current[p.holder], []).append((p.copy, p.first, p.count, replicated))
-            if steady:
-                assert self._told is not None
-                told = self._told[1]
-            else:
-                told = world.alltoall(notes)
-                self._told = (shape, told)
+            told = self._announce(mine, ranks, replicated, shape if not steady else None)
             outgoing: dict[int, list[np.ndarray]] = {p.holder: [] for p in mine}
             for p in mine:
                 outgoing[p.holder].extend(byte_slices(segments, *self._span(p.first, p.count, replicated)))
-            # The copies arrive, in current-rank order, in one buffer: a view of it per piece.
-            spans = [(int(ranks[r]), copy, first, count, size, self._span(first, count, size)[1])
-                     for r, got in enumerate(told) for copy, first, count, size in got or []]
-            buffer = self._backing.receive_buffer(sum(span[-1] for span in spans), version)
-            held: dict[tuple[int, int, int], _Held] = {}
-            incoming: dict[int, list[np.ndarray]] = {}
-            sizes, offset = {me: replicated}, 0  # what peers hold of each payload
-            for owner, copy, first, count, size, nbytes in spans:
-                data = buffer[offset:offset + nbytes]
-                held[(owner, copy, first)] = _Held(Piece(owner, copy, first, count, me), data, [], offset)
-                offset += nbytes
-                incoming.setdefault(owner, []).append(data)
-                sizes[owner] = size
+            buffer, held, incoming, sizes = self._receive(told, ranks, version, replicated)
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()

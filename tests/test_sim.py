@@ -237,6 +237,72 @@ def test_a_mesh_keeps_each_logical_ranks_coordinates_through_a_substitution():
         SimJob(4).run(lambda world: Mesh(world, 3, 2))
 
 
+def _mesh_training(steps: int = 6):
+    """A 2 x 2 mesh on roll_forward: each stage a weight vector, its gradient summed over the twins
+    through ``Mesh.allreduce_stage`` (the World's ``neighbors``); a lost stage comes back from a live
+    twin, sent point to point."""
+    from elastic.mesh import Mesh
+    from elastic.pipeline import roll_forward
+
+    def main(world):
+        mesh = Mesh(world, 2, 2)
+        w = np.zeros(3)
+        grad = np.zeros(3)
+
+        def compute(step):
+            grad[:] = (mesh.replica + 1) * (step + 1) * (mesh.stage + 1)  # each replica its own batch
+            mesh.allreduce_stage([grad], step=step)
+            return float(grad.sum())
+
+        def apply(step):
+            w[:] = w - 0.01 * grad
+
+        def rebuild(lost):
+            twins = mesh.twins()
+            me, mine = int(world.rank), int(world.logical_rank) in lost
+            givers = [r for r in twins if int(world.logical_ranks[r]) not in lost]
+            sends = [(r, 7, w) for r in twins if int(world.logical_ranks[r]) in lost] if me == givers[0] else []
+            world.neighbors(sends, [(givers[0], 7, w)] if mine else [], None)
+            return None
+
+        roll_forward(world, steps, compute, apply, rebuild)
+        return w.tobytes().hex()
+    return main
+
+
+def test_a_mesh_sums_its_twins_point_to_point_and_a_lost_stage_comes_back_from_its_twin_bitwise():
+    """``Mesh`` and ``roll_forward`` in the simulated job, with the neighbour exchange on its data
+    plane: logical rank 1 (stage 1 of replica 0) dies inside step 3's sum; the spare gets stage 1
+    from its twin (logical rank 3) and every stage ends bitwise the failure-free run's."""
+    reference = SimJob(4).run(_mesh_training())
+    assert reference[0] == reference[2] and reference[1] == reference[3] and reference[0] != reference[1]
+    job = SimJob(4, spares=1, inject="1@c3")
+    assert job.run(_mesh_training()) == reference
+    assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [1])]
+    assert {e["logical"] for e in job.of("resumed")} == {0, 1, 2, 3}  # the one driver's events, pipelines too
+
+
+def test_an_injected_bit_flip_in_a_simulated_rank_is_fenced_as_in_a_real_one(reference):
+    """The simulated job fires the real fault table: ``R@S:bitflip`` corrupts rank 2's shared value
+    at step 3, the gate fences it at the next commit, the spare takes the majority's values, and the
+    job ends bitwise the failure-free run."""
+    job = SimJob(4, spares=1, inject="2@3:bitflip")
+    assert job.run(_main()) == reference
+    assert [e["value"] for e in job.of("bitflip")] == ["w"]
+    assert {(e["verdict"], tuple(e["ranks"])) for e in job.of("integrity")} == {("fenced", (2,))}
+    assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [2])]
+
+
+def test_the_fill_rule_is_one_function_for_the_real_and_the_simulated_rebuild():
+    """Spares first (as many as are parked, lowest logical rank first), then a spawn or a shrink
+    takes the rest; a mode with nothing left, or unknown, is skipped."""
+    from elastic.comm.runtime import fill
+    assert fill(("spare", "shrink"), [5, 2, 7], 2) == [("spare", [2, 5]), ("shrink", [7])]
+    assert fill(("spare", "spawn"), [1], 3) == [("spare", [1])]
+    assert fill(("spare",), [1, 2], 1) == [("spare", [1])]  # rank 2 left unfilled: the job stops
+    assert fill(("bogus", "spawn", "shrink"), [3, 4], 0) == [("spawn", [3, 4])]
+
+
 def test_a_loss_the_policy_cannot_fill_stops_every_rank_naming_why():
     job = SimJob(4, inject="1@5,2@5", rebuild=("shrink",), min_size=3)
     with pytest.raises(elastic.Unrecoverable, match="below min_size=3"):
