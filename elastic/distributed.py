@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from elastic.comm import ConfigError, World
+from elastic.comm import ConfigError, Group, World
 
 from . import _mpigroup
 from ._dcp import NothingSaved, PeerMemory
@@ -246,7 +246,7 @@ def _gradients_hook(state: _Gradients, bucket: Any) -> torch.futures.Future:
     return state.hook(bucket)
 
 
-def _allreduce_with_fault_point(world: World, bucket: Any) -> torch.futures.Future:
+def _allreduce_with_fault_point(world: Group, bucket: Any) -> torch.futures.Future:
     """DDP's default all-reduce (torch's own hook: the same bits), after the
     ``collective`` fault point of the step the World is at: ``1@c20`` kills rank 1 in the middle
     of step 20's backward, inside DDP's all-reduce."""

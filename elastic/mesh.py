@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from elastic.comm import ConfigError, Decision, RebuildContext, RebuildPolicy, Unrecoverable, World, agreed
+from elastic.comm import ConfigError, Decision, Group, RebuildContext, RebuildPolicy, Unrecoverable, agreed
 from elastic.recovery import Policy, plan_mesh_recovery, whole_replicas
 
 __all__ = ["Mesh", "mesh_policy", "without_shrink"]
@@ -41,7 +41,7 @@ class Mesh:
         ConfigError: the job's size is not ``dp * pp``.
     """
 
-    def __init__(self, world: World, dp: int, pp: int) -> None:
+    def __init__(self, world: Group, dp: int, pp: int) -> None:
         size = world.job.initial_size
         if dp < 1 or pp < 1 or dp * pp != size:  # the same facts on every rank: every rank stops alike
             raise agreed(ConfigError(

@@ -29,10 +29,11 @@ agree / rebuild / restore / resume, and instants for injections and deaths.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from elastic.comm.events import read_events
 from elastic.comm.runtime import keep_mpi_uninitialized
@@ -193,22 +194,22 @@ def _relaunch_reason(rebuilt: dict) -> str:
         (f", logical ranks {'; '.join(moved)}" if moved else "")
 
 
+# The recovery's spans: (an event, the event that opens its span on the same process, the span's name)
+_RECOVERY_SPANS = {"agreed": ("failure_seen", "agree"), "rebuilt": ("agreed", "rebuild"),
+                   "state_restored": ("rebuilt", "restore"), "resumed": ("state_restored", "resume")}
+_INSTANTS = ("inject", "failure_seen", "started", "finished", "promoted", "spawned", "data_lost", "released")
+
+
 def trace(events: list[dict]) -> dict[str, Any]:
     """The run as Chrome-trace JSON (the Trace Event Format: complete 'X' spans and 'i' instants,
     microseconds from the first event), one process track per OS process."""
     if not events:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     t0 = min(e["t"] for e in events)
-    us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
     out: list[dict[str, Any]] = []
     names: dict[int, str] = {}
     last: dict[tuple[int, str], float] = {}  # (pid, event) -> its last time, to open the next span
-
-    def span(e: dict, name: str, start: float, end: float, cat: str, **args: Any) -> None:
-        if end >= start:
-            out.append({"name": name, "cat": cat, "ph": "X", "ts": us(start), "dur": round((end - start) * 1e6, 1),
-                        "pid": e.get("pid", 0), "tid": 0, "args": args})
-
+    span = functools.partial(_span, out, t0)
     for e in events:
         pid, kind, t = e.get("pid", 0), e["event"], e["t"]
         if e.get("logical") is not None:
@@ -216,30 +217,47 @@ def trace(events: list[dict]) -> dict[str, Any]:
         if kind == "step":
             span(e, f"step {e['step']}", t - e.get("seconds", 0.0), t, "step", loss=e.get("loss"), gen=e.get("gen"))
         elif kind == "committed":
-            phases = e.get("durations", {})
-            start = t - sum(phases.values())
-            span(e, f"commit v{e.get('version')}", start, t, "commit", bytes_out=e.get("bytes_out"))
-            for phase, seconds in phases.items():
-                span(e, phase, start, start + seconds, "commit")
-                start += seconds
-        elif kind == "agreed" and (pid, "failure_seen") in last:
-            span(e, "agree", last[(pid, "failure_seen")], t, "recovery", failed=e.get("failed"))
-        elif kind == "rebuilt":
-            span(e, "rebuild", last.get((pid, "agreed"), t), t, "recovery", mode=e.get("mode"), size=e.get("size"))
-        elif kind == "state_restored" and (pid, "rebuilt") in last:
-            span(e, "restore", last[(pid, "rebuilt")], t, "recovery", bytes_moved=e.get("bytes_moved"))
-        elif kind == "resumed" and (pid, "state_restored") in last:
-            span(e, "resume", last[(pid, "state_restored")], t, "recovery")
+            _commit_spans(span, e)
+        elif kind in _RECOVERY_SPANS:
+            opener, name = _RECOVERY_SPANS[kind]
+            if (pid, opener) in last or kind == "rebuilt":
+                span(e, name, last.get((pid, opener), t), t, "recovery", **_SPAN_ARGS[kind](e))
         elif kind == "failure_seen":
             kills = [x["t"] for x in events if x["event"] == "inject" and x.get("gen") == e.get("gen") and x["t"] <= t]
             span(e, "detect", max(kills) if kills else t, t, "recovery")
-        if kind in ("inject", "failure_seen", "started", "finished", "promoted", "spawned", "data_lost", "released"):
-            out.append({"name": kind, "cat": "event", "ph": "i", "s": "p", "ts": us(t), "pid": pid, "tid": 0,
-                        "args": {k: v for k, v in e.items() if k not in ("t", "event", "pid")}})
+        if kind in _INSTANTS:
+            out.append({"name": kind, "cat": "event", "ph": "i", "s": "p", "ts": round((t - t0) * 1e6, 1),
+                        "pid": pid, "tid": 0, "args": {k: v for k, v in e.items() if k not in ("t", "event", "pid")}})
         last[(pid, kind)] = t
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
             for pid, name in sorted(names.items())]
     return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
+
+
+_SPAN_ARGS: dict[str, Callable[[dict], dict[str, Any]]] = {
+    "agreed": lambda e: {"failed": e.get("failed")},
+    "rebuilt": lambda e: {"mode": e.get("mode"), "size": e.get("size")},
+    "state_restored": lambda e: {"bytes_moved": e.get("bytes_moved")},
+    "resumed": lambda e: {},
+}
+
+
+def _span(out: list[dict[str, Any]], t0: float, e: dict, name: str, start: float, end: float, cat: str,
+          **args: Any) -> None:
+    """A complete span on ``e``'s process track (none when it would end before it starts)."""
+    if end >= start:
+        out.append({"name": name, "cat": cat, "ph": "X", "ts": round((start - t0) * 1e6, 1),
+                    "dur": round((end - start) * 1e6, 1), "pid": e.get("pid", 0), "tid": 0, "args": args})
+
+
+def _commit_spans(span: Callable[..., None], e: dict) -> None:
+    """A commit's span, and one per phase inside it, back to back."""
+    phases = e.get("durations", {})
+    start = e["t"] - sum(phases.values())
+    span(e, f"commit v{e.get('version')}", start, e["t"], "commit", bytes_out=e.get("bytes_out"))
+    for phase, seconds in phases.items():
+        span(e, phase, start, start + seconds, "commit")
+        start += seconds
 
 
 def format_report(run_dir: Path, baseline: Path | None = None) -> str:

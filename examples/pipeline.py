@@ -96,51 +96,76 @@ def train_step(world: elastic.World, hosted: dict[int, Stage], host: dict[int, i
     """Forward and backward of one global batch through the pipeline (collective over the stages); returns
     the batch loss on every rank, leaves the gradients in the hosted stages. Hops on one rank stay local."""
     comm = world.mpi.comm
-    mine = int(world.rank)
     micro = batch.chunk(args.micro)
-    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    loss_sum = 0.0
     shape = (micro[0].shape[0], args.seq, args.dim)
+    hop = Hop(comm, int(world.rank), host, shape)
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     with world.mpi.guard():
-        for m, tokens in enumerate(micro):
-            path = route(m, stages, args.checkfree_plus)
-            for j, (part, s) in enumerate(path):
-                if s not in hosted:
-                    continue
-                if j == 0:
-                    inp = tokens[:, :-1]
-                elif host[path[j - 1][1]] == mine:
-                    inp = saved[(m, j - 1)][1].detach().requires_grad_()
-                else:
-                    buf = np.empty(shape, np.float32)
-                    comm.Recv(buf, source=host[path[j - 1][1]], tag=TAG + j)
-                    inp = torch.from_numpy(buf).requires_grad_()
-                out = getattr(hosted[s], part)(inp)
-                if part == "head":
-                    out = nn.functional.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()) / args.micro
-                    loss_sum += float(out.detach())
-                saved[(m, j)] = (inp, out)
-                if j + 1 < len(path) and host[path[j + 1][1]] != mine:
-                    comm.Send(out.detach().numpy(), dest=host[path[j + 1][1]], tag=TAG + j + 1)
+        loss_sum = sum(forward(hop, hosted, m, tokens, route(m, stages, args.checkfree_plus), saved, args.micro)
+                       for m, tokens in enumerate(micro))
         for m in reversed(range(len(micro))):
-            path = route(m, stages, args.checkfree_plus)
-            for j in reversed(range(len(path))):
-                if path[j][1] not in hosted:
-                    continue
-                inp, out = saved[(m, j)]
-                if j == len(path) - 1:
-                    out.backward()
-                elif host[path[j + 1][1]] == mine:
-                    out.backward(saved[(m, j + 1)][0].grad)
-                else:
-                    grad = np.empty(shape, np.float32)
-                    comm.Recv(grad, source=host[path[j + 1][1]], tag=TAG + 100 + j)
-                    out.backward(torch.from_numpy(grad))
-                if j > 0 and host[path[j - 1][1]] != mine:
-                    comm.Send(inp.grad.numpy(), dest=host[path[j - 1][1]], tag=TAG + 100 + j - 1)
+            backward(hop, hosted, m, route(m, stages, args.checkfree_plus), saved)
         loss = np.array([loss_sum], np.float64)  # nonzero only where a last stage is: the sum is its loss
         comm.Allreduce(loss.copy(), loss)         # (and, in a mesh, the sum of every replica's)
         return float(loss[0])
+
+
+class Hop:
+    """An activation or its gradient to or from the rank hosting a stage (local on this rank)."""
+
+    def __init__(self, comm, mine: int, host: dict[int, int], shape: tuple[int, ...]) -> None:
+        self.comm, self.mine, self.host, self.shape = comm, mine, host, shape
+
+    def local(self, stage: int) -> bool:
+        return self.host[stage] == self.mine
+
+    def recv(self, stage: int, tag: int) -> torch.Tensor:
+        buf = np.empty(self.shape, np.float32)
+        self.comm.Recv(buf, source=self.host[stage], tag=tag)
+        return torch.from_numpy(buf)
+
+    def send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
+        self.comm.Send(tensor.numpy(), dest=self.host[stage], tag=tag)
+
+
+def forward(hop: Hop, hosted: dict[int, Stage], m: int, tokens: torch.Tensor, path: list[tuple[str, int]],
+            saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], micro: int) -> float:
+    """Micro-batch ``m`` through this rank's stages of ``path``; returns its loss where the head is here."""
+    loss = 0.0
+    for j, (part, s) in enumerate(path):
+        if s not in hosted:
+            continue
+        if j == 0:
+            inp = tokens[:, :-1]
+        elif hop.local(path[j - 1][1]):
+            inp = saved[(m, j - 1)][1].detach().requires_grad_()
+        else:
+            inp = hop.recv(path[j - 1][1], TAG + j).requires_grad_()
+        out = getattr(hosted[s], part)(inp)
+        if part == "head":
+            out = nn.functional.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()) / micro
+            loss += float(out.detach())
+        saved[(m, j)] = (inp, out)
+        if j + 1 < len(path) and not hop.local(path[j + 1][1]):
+            hop.send(out.detach(), path[j + 1][1], TAG + j + 1)
+    return loss
+
+
+def backward(hop: Hop, hosted: dict[int, Stage], m: int, path: list[tuple[str, int]],
+             saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Micro-batch ``m``'s gradients back through this rank's stages of ``path``."""
+    for j in reversed(range(len(path))):
+        if path[j][1] not in hosted:
+            continue
+        inp, out = saved[(m, j)]
+        if j == len(path) - 1:
+            out.backward()
+        elif hop.local(path[j + 1][1]):
+            out.backward(saved[(m, j + 1)][0].grad)
+        else:
+            out.backward(hop.recv(path[j + 1][1], TAG + 100 + j))
+        if j > 0 and not hop.local(path[j - 1][1]):
+            hop.send(inp.grad, path[j - 1][1], TAG + 100 + j - 1)
 
 
 # ------------------------------------------------------------------ the loop

@@ -62,27 +62,38 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
 
 
+def _calibrate(world: Any, a: np.ndarray, step_ms: float) -> int:
+    """Matrix products for a step of ``step_ms``, timed on every rank at once (the contention of the
+    steps), the slowest rank's count (collective)."""
+    t, done = time.perf_counter(), 0
+    while time.perf_counter() - t < 0.5:
+        a @ a
+        done += 1
+    return max(1, round(min(world.allgather(done)) * step_ms / 1e3 / 0.5))
+
+
+def _values(me: int, total: int, layout: str) -> dict[str, np.ndarray]:
+    """A state of ``total`` bytes: a model every rank holds (all of it replicated; two thirds sharded,
+    the rest this rank's optimizer shard: two float32 moments), and this rank's RNG."""
+    model_bytes = total if layout == "replicated" else total * 2 // 3
+    values: dict[str, np.ndarray] = {"w": np.full(model_bytes // 4, 0.5, np.float32),  # resident, not lazy zeros
+                                     "rng": np.array([me + 1], np.int64)}
+    if layout == "sharded":
+        shard = (total - model_bytes) // 8
+        values.update({f"opt.{me}.{k}": np.full(shard, 0.5, np.float32) for k in "mv"})
+    return values
+
+
 def worker(args: argparse.Namespace) -> int:
     import elastic
 
     world = elastic.init()
     me = int(world.logical_rank)
     a = np.random.default_rng(0).standard_normal((MATMUL, MATMUL), dtype=np.float32)
-    matmuls = 0  # a replacement joins the survivors' recovery, not this: it gets the count with the shared values
-    if world.role is not elastic.Role.RECOVERED:  # every rank at once: the contention of the steps
-        t, done = time.perf_counter(), 0
-        while time.perf_counter() - t < 0.5:
-            a @ a
-            done += 1
-        matmuls = max(1, round(min(world.allgather(done)) * args.step_ms / 1e3 / 0.5))
+    # A replacement joins the survivors' recovery, not this: it gets the count with the shared values.
+    matmuls = 0 if world.role is elastic.Role.RECOVERED else _calibrate(world, a, args.step_ms)
     base_rss = _rss()[0]
-    total = args.mb << 20
-    model_bytes = total if args.layout == "replicated" else total * 2 // 3
-    values: dict[str, np.ndarray] = {"w": np.full(model_bytes // 4, 0.5, np.float32),  # resident, not lazy zeros
-                                     "rng": np.array([me + 1], np.int64)}
-    if args.layout == "sharded":
-        shard = (total - model_bytes) // 8  # two moments, float32
-        values.update({f"opt.{me}.{k}": np.full(shard, 0.5, np.float32) for k in "mv"})
+    values = _values(me, args.mb << 20, args.layout)
     state_bytes = sum(v.nbytes for v in values.values())
     grad = np.zeros(1 << 18, np.float32)  # 1 MB
     state = None
