@@ -26,7 +26,7 @@ from mpi4py import MPI
 from ._collectives import agree, allgather, bcast
 from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, translate
 from ._config import Config
-from .events import EventLog, read_cause
+from .events import REBUILD_PHASES, EventLog, read_cause
 from ._membership import Members, Proc
 from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy, fill
 from ._ranks import SPARE, LogicalRank, Role
@@ -48,7 +48,7 @@ class Rebuild:
     removed: frozenset[LogicalRank]        # those dropped (shrink): their work must be re-sharded
     lost_spares: int                       # parked spares that died
     attempts: int                          # > 1 when a failure hit the rebuild itself
-    durations: dict[str, float]            # seconds per phase: agree (the shrink), substitute, install, total
+    durations: dict[str, float]            # seconds per phase (``events.REBUILD_PHASES``), and total
     causes: tuple[dict[str, Any], ...] = ()  # how the dead processes ended, where they said so
     streak: int = 1                        # rebuilds since the last successful commit
 
@@ -130,6 +130,7 @@ class Rebuilder:
         self.durations: dict[str, float] = {}
 
     def _timed(self, phase: str, since: float) -> None:
+        assert phase in REBUILD_PHASES, phase  # the report reads them by these names
         self.durations[phase] = self.durations.get(phase, 0.0) + time.perf_counter() - since
 
     def run(self, join: bool) -> Generation:

@@ -60,8 +60,11 @@ EVENTS: dict[str, str] = {
     "bitflip": "an injected corruption flipped a bit of this rank's value",
 }
 
-__all__ = ["EVENTS", "EventLog", "read_events", "read_outcomes", "read_result", "read_fates", "describe_end",
-           "SIGNAL_ERRORS", "PROGRAMMING_ERRORS"]
+# The phases a rebuild times (``rebuilt``'s ``durations``, and ``total``): the report sums them by these names.
+REBUILD_PHASES = ("agree", "substitute", "install")
+
+__all__ = ["EVENTS", "REBUILD_PHASES", "EventLog", "read_events", "read_outcomes", "read_result", "read_fates",
+           "describe_end", "SIGNAL_ERRORS", "PROGRAMMING_ERRORS"]
 
 
 class EventLog:

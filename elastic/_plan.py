@@ -146,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
         parser.error("--grace must be >= 0 seconds")
     if raw.timeout is not None and raw.timeout <= 0:
         parser.error("--timeout must be > 0 seconds (leave it out for no timeout)")
+    if raw.timeout is not None and raw.timeout <= raw.grace:  # the timeout's stop gives the ranks the grace
+        parser.error(f"--timeout {raw.timeout:g} must exceed --grace {raw.grace:g}: the stop at the timeout gives "
+                     "the ranks that grace to leave")
     nprocs, hosts, spare_hosts = _layout(raw, parser)
     relaunches = raw.relaunches if raw.relaunches is not None else 2 if len(hosts) > 1 else 0
     if relaunches < 0:

@@ -9,6 +9,7 @@ its rank ended is killed so that a finished job ends.
 """
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import os
 import re
@@ -189,8 +190,27 @@ def run_pids(run_dir: Path) -> set[int]:
 
 
 # ---------------------------------------------------------------------------- the outcome
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What became of a job and of each process (``summarize``); ``summary.json`` holds it as a
+    document, with the launcher's verdict beside it."""
+
+    finished: bool                           # the training finished
+    processes: int                           # processes that left a word (events, outcome, sentinel record)
+    counts: dict[str, int]                   # how many ended each way
+    deaths: list[dict[str, Any]]             # those that did not leave together with the others, and how
+    stopped_by: dict[str, str] | None        # the job's agreed error (kind, message), if one stopped it
+    never_fired: list[dict[str, object]]     # schedule entries no process announced
+    outcomes: list[dict[str, Any]]
+    fates: list[dict[str, Any]]
+
+    def document(self, **verdict: Any) -> dict[str, Any]:
+        """As ``summary.json`` holds it: these fields, then the launcher's ``verdict``."""
+        return {**dataclasses.asdict(self), **verdict}
+
+
 def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None,
-              stopped: str | None = None) -> dict[str, Any]:
+              stopped: str | None = None) -> Summary:
     """What became of the job and of each process, from the files they wrote (local).
 
     ``finished``: the training finished (some process finished, none stopped the
@@ -233,10 +253,10 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
             outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
             "died without a word"
         counts[key] = counts.get(key, 0) + 1
-    return {"finished": finished, "processes": len(pids), "counts": counts, "deaths": deaths,
-            "stopped_by": {"kind": stop["kind"], "message": stop["message"]} if stop else None,
-            "never_fired": [i.to_dict() for i in never], "outcomes": list(outcomes.values()),
-            "fates": list(fates.values())}
+    return Summary(finished=finished, processes=len(pids), counts=counts, deaths=deaths,
+                   stopped_by={"kind": stop["kind"], "message": stop["message"]} if stop else None,
+                   never_fired=[i.to_dict() for i in never], outcomes=list(outcomes.values()),
+                   fates=list(fates.values()))
 
 
 def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
@@ -262,25 +282,25 @@ def _how(outcome: dict | None, fate: dict | None) -> str:
     return f"{scope}{step}: {end['what']}" if scope else f"{end['what']}{step}"
 
 
-def report(summary: dict[str, Any], run_dir: Path, notes: list[str]) -> None:
-    told = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
-    if summary["processes"]:
-        print(f"[launch] {summary['processes']} processes: {told}; events in {run_dir}", flush=True)
+def report(summary: Summary, run_dir: Path, notes: list[str]) -> None:
+    told = ", ".join(f"{v} {k}" for k, v in sorted(summary.counts.items()))
+    if summary.processes:
+        print(f"[launch] {summary.processes} processes: {told}; events in {run_dir}", flush=True)
     else:
         print(f"[launch] no process of the job left a word (events, outcome, sentinel record) in {run_dir}: "
               "none started, or mpiexec failed before them (see its output above)", flush=True)
-    for d in summary["deaths"]:
+    for d in summary.deaths:
         who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
         print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
-    for entry in summary["never_fired"]:
+    for entry in summary.never_fired:
         print(f"[launch] warning: injection {entry} never fired (that rank, step or point was not reached)",
               flush=True)
     for note in notes:
         print(f"[launch] {note}", flush=True)
-    if summary["finished"]:
+    if summary.finished:
         print("[launch] training finished", flush=True)
-    elif summary["stopped_by"]:
-        print(f"[launch] training did not finish: {summary['stopped_by']['kind']}: "
-              f"{summary['stopped_by']['message']}", flush=True)
+    elif summary.stopped_by:
+        print(f"[launch] training did not finish: {summary.stopped_by['kind']}: "
+              f"{summary.stopped_by['message']}", flush=True)
     else:
         print("[launch] training did not finish: no process finished it (see the deaths above)", flush=True)

@@ -176,12 +176,12 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
                   "job began: starting it again", flush=True)
             continue
         this = summarize(plan.run_dir, done.config.inject, mine)
-        lost = attempt.lost_nodes | {o["host"] for o in this["outcomes"] if o["status"] == "injected-node"}
+        lost = attempt.lost_nodes | {o["host"] for o in this.outcomes if o["status"] == "injected-node"}
         lost_before, done.lost = set(done.lost), done.lost | lost
         if plan.simulate_nodes:
             for node in lost:  # its memory goes with it
                 shutil.rmtree(memory / node, ignore_errors=True)
-        if this["finished"] or attempt.stopping or this["stopped_by"] or not plan.relaunches:
+        if this.finished or attempt.stopping or this.stopped_by or not plan.relaunches:
             return
         if done.relaunches >= plan.relaunches:
             done.notes.append(f"the job ended unfinished and its {plan.relaunches} relaunch(es) (--relaunches) are "
@@ -215,7 +215,7 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
         rc = 128 + got[0]
         notes.append(f"stopped by {signal.Signals(got[0]).name}")
     else:
-        rc = 0 if summary["finished"] else 1
+        rc = 0 if summary.finished else 1
     if done.hidden:
         notes.append(f"({done.hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
                      "by a failure, expected)")
@@ -233,11 +233,11 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
     if plan.relaunches and rc and plan.hosts and not plan.simulate_nodes:
         notes.append(f"node memory of this job may be left in /dev/shm/{plan.job} on the hosts: remove it there")
     report(summary, plan.run_dir, notes)
-    summary.update({"ok": rc == 0, "rc": rc, "timed_out": timed_out, "mpiexec_rc": attempt.proc.returncode,
-                    "signal": signal.Signals(got[0]).name if got else None, "relaunches": done.relaunches,
-                    "restarts": done.restarts,
-                    "launches": done.times, "lost_nodes": sorted(done.lost), "job": plan.job})
-    (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    document = summary.document(ok=rc == 0, rc=rc, timed_out=timed_out, mpiexec_rc=attempt.proc.returncode,
+                                signal=signal.Signals(got[0]).name if got else None, relaunches=done.relaunches,
+                                restarts=done.restarts, launches=done.times, lost_nodes=sorted(done.lost),
+                                job=plan.job)
+    (plan.run_dir / "summary.json").write_text(json.dumps(document, indent=1, default=str))
     return rc
 
 

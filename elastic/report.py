@@ -6,7 +6,7 @@ Per failure (one row per rebuild generation), in milliseconds:
 
 * detect: the injected kill -> the first survivor sees the failure
 * agree: the slowest process's agreement on the failed set
-* rebuild: shrink + substitute (spare / spawn) + installing the new communicators
+* rebuild: substitute (spare / spawn) + installing the new communicators (the shrink is in agree)
 * restore: the slowest rank's state recovery from peers' memory and roll-back
 * resume: restored -> the first training step completed again
 * down: the kill -> that first step (everything above, and waits between them)
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from elastic.comm.events import read_events
+from elastic.comm.events import REBUILD_PHASES, read_events
 from elastic.comm.runtime import keep_mpi_uninitialized
 
 
@@ -94,7 +94,7 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             decisions[-1]["reason"] if decisions else "",
             "detect": 1e3 * (min(seen) - start) if seen and kills else None,
             "agree": 1e3 * max(e["durations"].get("agree", 0.0) for e in rebuilt),
-            "rebuild": 1e3 * max(sum(e["durations"].get(k, 0.0) for k in ("shrink", "substitute", "install"))
+            "rebuild": 1e3 * max(sum(e["durations"].get(k, 0.0) for k in REBUILD_PHASES if k != "agree")
                                  for e in rebuilt),
             # None: another failure interrupted this recovery (the next row's recovery finished it).
             "restore": 1e3 * max(e["seconds"] for e in restored) if restored else None,
@@ -172,7 +172,8 @@ def start_up(events: list[dict], gen: int, t_failure: float, run_dir: Path | Non
     gone = None
     if run_dir is not None and (run_dir / "summary.json").exists():
         launches = json.loads((run_dir / "summary.json").read_text()).get("launches", [])
-        gone = next((x["ended"] for x in launches if "ended" in x and x["ended"] >= t_failure), None)
+        gone = next((launch["ended"] for launch in launches if "ended" in launch and launch["ended"] >= t_failure),
+                    None)
     if gone is not None:
         phases["teardown"], phases["runtime"] = gone - t_failure, min(e["began"] for e in started) - gone
     else:

@@ -338,7 +338,7 @@ def _events() -> list[dict]:
            {"event": "failure_seen", "t": 4.5, "gen": 0},
            {"event": "decision", "t": 4.6, "gen": 0, "reason": "spare"},
            {"event": "rebuilt", "t": 4.8, "gen": 1, "failed": [1], "mode": "spare", "size": 4,
-            "durations": {"agree": 0.1, "shrink": 0.05, "substitute": 0.05, "install": 0.1}},
+            "durations": {"agree": 0.1, "substitute": 0.1, "install": 0.1}},  # as a rebuild times them
            {"event": "state_restored", "t": 5.0, "gen": 1, "seconds": 0.2, "bytes_moved": 10}]
     # Rolled back to step 2: step 3 is redone, then step 4.
     ev += [{"event": "step", "t": 6.0 + i, "gen": 1, "step": s, "seconds": 1.0, "loss": 1.0 / s}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,20 +88,20 @@ def test_launcher_decides_from_outcomes_not_exit_status(tmp_path):
     _write(tmp_path, 3, "spare-unused")
     _write(tmp_path, 4, None)  # died without a word: listed, but the training finished
     summary = launch.summarize(tmp_path)
-    assert summary["finished"] is True
-    assert {d["pid"]: d["how"] for d in summary["deaths"]} == {
+    assert summary.finished is True
+    assert {d["pid"]: d["how"] for d in summary.deaths} == {
         2: "injected kill at step 3", 4: "died without a word (no outcome, no sentinel record)"}
     _write(tmp_path, 5, "error", kind="DataLost", message="state lost")  # the job stopped on every rank
     summary = launch.summarize(tmp_path)
-    assert summary["finished"] is False and summary["stopped_by"] == {"kind": "DataLost", "message": "state lost"}
+    assert summary.finished is False and summary.stopped_by == {"kind": "DataLost", "message": "state lost"}
 
 
 def test_launcher_counts_a_failure_after_finishing(tmp_path):
     _write(tmp_path, 1, "finished")
     _write(tmp_path, 2, "failed", kind="OSError", message="disk full", step=None, after_finish=True)
     summary = launch.summarize(tmp_path)
-    assert summary["finished"] is False
-    assert summary["deaths"][0]["how"] == "failed after finishing: OSError: disk full"
+    assert summary.finished is False
+    assert summary.deaths[0]["how"] == "failed after finishing: OSError: disk full"
 
 
 def test_a_stopped_job_lists_its_processes_as_stopped_on_request(tmp_path):
@@ -108,10 +109,10 @@ def test_a_stopped_job_lists_its_processes_as_stopped_on_request(tmp_path):
     _write(tmp_path, 2, "failed", kind="KeyboardInterrupt", message="", step=4)  # Ctrl-C reached it
     _write(tmp_path, 3, "failed", kind="ValueError", message="a bug", step=4)  # its own failure, said as such
     summary = launch.summarize(tmp_path, stopped="SIGINT")
-    assert {d["pid"]: d["how"] for d in summary["deaths"]} == {
+    assert {d["pid"]: d["how"] for d in summary.deaths} == {
         1: "stopped on request (SIGINT)", 2: "stopped on request (SIGINT)",
         3: "failed at step 4: ValueError: a bug"}
-    assert summary["counts"] == {"stopped on request": 2, "failed": 1}
+    assert summary.counts == {"stopped on request": 2, "failed": 1}
 
 
 def test_a_host_is_lost_when_every_process_on_it_died_and_another_host_lives():
@@ -124,6 +125,21 @@ def test_a_host_is_lost_when_every_process_on_it_died_and_another_host_lives():
 def test_launcher_rejects_missing_program():
     with pytest.raises(SystemExit):
         launch.parse_args(["-n", "2"])
+
+
+def test_launcher_checks_its_timeouts_order_and_builds_settings_from_their_rows(capsys):
+    """The job's timeout must leave the ranks their grace; the options the settings' rows make
+    reach both records (comm's Config, the training layer's) and their variables."""
+    with pytest.raises(SystemExit):
+        launch.parse_args(["-n", "2", "--timeout", "5", "--grace", "10", "--", sys.executable])
+    assert "--timeout 5 must exceed --grace 10" in capsys.readouterr().err
+    plan = launch.parse_args(["-n", "2", "--rebuild", "spawn", "--keep-versions", "3", "--on-nonfinite", "skip",
+                              "--straggler", "4:2", "--", sys.executable])
+    assert plan.config.rebuild == ("spawn",) and plan.training.keep_versions == 3
+    assert plan.training.on_nonfinite.value == "skip" and plan.training.straggler_steps == 2
+    env = launch.job_env(plan.config, plan.training)
+    assert env["ELASTIC_REBUILD"] == "spawn" and env["ELASTIC_KEEP_VERSIONS"] == "3"
+    assert env["ELASTIC_ON_NONFINITE"] == "skip" and env["ELASTIC_STRAGGLER_FACTOR"] == "4"
 
 
 def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
@@ -290,6 +306,39 @@ def test_every_event_written_or_read_is_in_the_schema():
     reads |= found(("elastic",), r'\bkind\s*==\s*"([a-z_]+)"') - {"numpy", "python"}  # the report's; handlers' kinds
     reads |= found(("tests",), r'\.of\("([a-z_]+)"\)')
     assert reads and reads <= set(EVENTS) | programs, sorted(reads - set(EVENTS) - programs)
+
+
+def test_every_event_field_the_report_and_the_launcher_read_is_written_somewhere():
+    """A field the readers take from an event (``e["x"]``, ``e.get("x")``) is one some ``emit`` call
+    writes, or one every event carries: a reader of a field nothing writes shows '-' for ever (the
+    report once summed a rebuild phase, ``shrink``, that no rebuild timed)."""
+    import ast
+    import dataclasses
+
+    from elastic.comm.events import _CONTEXT, REBUILD_PHASES
+    from elastic.comm.faults import Injection
+    root = Path(__file__).resolve().parents[1]
+    written = set(_CONTEXT) | {f.name for f in dataclasses.fields(Injection)} | {"began", "mpi_start", "mpi_init"}
+    written |= {"after_finish", "kind", "message", "step", "grad_norm"}  # the error's fields dict; step metrics
+    for folder in ("comm", "recovery", "elastic"):
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit":
+                    written |= {k.arg for k in node.keywords if k.arg}
+    read: dict[str, list[str]] = {}
+    events = {"e", "x", "first_after", "last"}  # what the readers call an event
+    for name in ("elastic/report.py", "elastic/_supervise.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in events:
+                key = node.slice
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in events and node.args:
+                key = node.args[0]
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                read.setdefault(key.value, []).append(f"{name}:{node.lineno}")
+    assert read and not {k: v for k, v in read.items() if k not in written}
+    assert "shrink" not in REBUILD_PHASES and "agree" in REBUILD_PHASES
 
 
 def test_the_errors_kinds_say_what_to_do_next_and_are_all_programming_errors():
