@@ -138,8 +138,8 @@ class Lifecycle:
             MPI.Finalize()
         if failures or world._watchdog.active:
             # Under a sentinel, which passes the announced code on, go without the interpreter's
-            # teardown too: with torch loaded, freeing every module takes ~0.3 s of CPU per process
-            # (0.85 s of a 4-rank job's wall time here) and nothing in it concerns the job; what
+            # teardown too: with torch loaded, freeing every module costs a noticeable share of a short
+            # job's wall time (docs/measurements.md) and nothing in it concerns the job; what
             # would matter, flushing, is done here. Without one the program's own exit status
             # (a pytest-mpi suite's) must come through: return.
             logging.shutdown()

@@ -327,7 +327,7 @@ def preload(programs: list[str]) -> list[str]:
         except Exception:  # noqa: BLE001  (anything: the child imports it as the program does)
             missed.append(name)
     if "torch" in sys.modules:
-        import torch._dynamo  # noqa: F401  (a first optimizer imports it: 1 s, see elastic.init)
+        import torch._dynamo  # noqa: F401  (a first optimizer imports it, see elastic.init)
     return missed
 
 

@@ -25,7 +25,7 @@ _LOG = logging.getLogger("elastic")
 
 
 def fingerprints(shared: Mapping[str, np.ndarray]) -> dict[str, str]:
-    """Each value's dtype, shape and checksum (local; XXH3, 4-5 GB/s per rank)."""
+    """Each value's dtype, shape and checksum (local; XXH3: ``bench_gate.py`` measures it)."""
     return {name: f"{a.dtype.str}:{list(a.shape)}:{checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8))}"
             for name, a in shared.items()}
 

@@ -39,8 +39,8 @@ class NonFinite(CommitRejected):
 def nonfinite_values(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """The names of the floating arrays (one dimension or more) that hold a NaN or an Inf (local).
 
-    A dot product of the array with itself is NaN or Inf whenever an element is (one BLAS pass:
-    ~4 ms for 128 MB here, as fast as the commit's XXH3); only then, or for a dtype BLAS does not
+    A dot product of the array with itself is NaN or Inf whenever an element is (one BLAS pass, as
+    fast as the commit's XXH3: ``bench_gate.py``); only then, or for a dtype BLAS does not
     take, is each element looked at, so an overflow of the sum alone is never taken for one.
     Scalars (0-d) are not looked at: programs keep ``loss=float("nan")`` as "none yet"."""
     bad = []

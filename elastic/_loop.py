@@ -36,7 +36,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
     environ = {**os.environ, **Training.from_env(os.environ, **training).to_env()} if training else None
     if sys.modules.get("torch") is not None:  # (a program may block torch with None there)
-        # A torch optimizer imports torch._dynamo when the first one is made (1.1 s here): a program
+        # A torch optimizer imports torch._dynamo when the first one is made (about a second): a program
         # that makes it after init (a pipeline stage's, which needs the logical rank) would have its
         # promoted spare pay that after the failure; every process pays it here instead, a spare
         # while it waits.

@@ -61,7 +61,7 @@ def _mca(plan: LaunchPlan, many_hosts: bool) -> list[tuple[str, str]]:
     if (not plan.hosts or plan.simulate_nodes) and not any(k == "btl" for k, _ in plan.mca) \
             and "OMPI_MCA_btl" not in os.environ:
         # One machine: shared memory and TCP carry everything. The libfabric BTL only probes its
-        # providers, 1 s of every process's MPI_Init here (a spawned replacement's too).
+        # providers, most of every process's MPI_Init (a spawned replacement's too).
         params.append(("btl", "^ofi"))
     return params + list(plan.mca)
 

@@ -35,8 +35,8 @@ _NOISE = b"NBC_Progress: an error"
 # PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
 _LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
 # The runtime's words when it failed to come up, before any process of the job began: seen now and then
-# on a busy machine (a daemon of a simulated node that never reported, ~1 launch in 60; PMIx's listener
-# thread, ~1 in 300 here). Nothing of the job ran, so the launcher starts it once more.
+# on a busy machine (a daemon of a simulated node that never reported; PMIx's listener thread, more
+# rarely). Nothing of the job ran, so the launcher starts it once more.
 _START_FAILURE = re.compile(rb"The PMIx server's listener thread failed to start|A daemon failed to report back")
 
 

@@ -29,7 +29,7 @@ class Policy:
             with the global batch kept makes each of the remaining steps
             n/m times slower. Needs the loop's outlook (``step_seconds``,
             ``remaining_steps``); without it the order decides.
-        spawn_seconds: measured cost of a spawn + merge (about 1.3 s here).
+        spawn_seconds: measured cost of a spawn + merge (``bench_recovery.py`` measures it).
     """
 
     modes: tuple[str, ...] = ("spare", "shrink")

@@ -56,7 +56,7 @@ _INLINE_SUMS = 1 << 20  # copies up to this size are checksummed at once (XXH3: 
 
 
 def checksum(data: np.ndarray) -> int:
-    """A chunk's checksum: 64-bit XXH3 (4-5 GB/s per rank here with 4 ranks on 2 cores; zlib's CRC32
+    """A chunk's checksum: 64-bit XXH3 (several GB/s per rank, docs/measurements.md; zlib's CRC32
     was a third of a commit's time)."""
     return xxhash.xxh3_64_intdigest(data.data)
 

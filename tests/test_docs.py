@@ -1,0 +1,42 @@
+"""The documentation's commands run: every code block marked ``<!-- runnable -->`` in the README and
+in docs/ is run as it is written, from the repository's root, and must exit 0 (real jobs: a stale
+option, a renamed example or a changed default fails here, not in a reader's shell)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNABLE = re.compile(r"<!-- runnable -->\n```(bash|python)\n(.*?)```", re.S)
+PAGES = ["README.md", "docs/using.md", "docs/operating.md"]
+
+
+def blocks(page: str) -> list[tuple[str, str]]:
+    return RUNNABLE.findall((ROOT / page).read_text())
+
+
+def test_every_page_links_to_pages_that_exist_and_the_readme_stays_short():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    for page in ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]:
+        for link in re.findall(r"\]\(((?:docs/)?[a-z_]+\.md)(?:#[^)]*)?\)", (ROOT / page).read_text()):
+            assert (ROOT / Path(page).parent / link).exists(), f"{page} links to {link}, which does not exist"
+    assert all(blocks(page) for page in PAGES), "a page lost its runnable example"
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("page", PAGES)
+def test_the_runnable_blocks_of_the_documentation_run(page):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for language, code in blocks(page):
+        command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{page}: {code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        if "elastic.report" in code:
+            assert "ETTR" in done.stdout, done.stdout[-2000:]
