@@ -19,6 +19,9 @@ class LogicalRank(int):
     def __repr__(self) -> str:
         return f"LogicalRank({int(self)})"
 
+    def __str__(self) -> str:  # the number, as an environment variable, a file name or a log line wants it
+        return int.__repr__(self)
+
 
 class CurrentRank(int):
     """A rank in the communicator of the current generation."""
@@ -27,6 +30,9 @@ class CurrentRank(int):
 
     def __repr__(self) -> str:
         return f"CurrentRank({int(self)})"
+
+    def __str__(self) -> str:  # the number, as an environment variable, a file name or a log line wants it
+        return int.__repr__(self)
 
 
 class Role(enum.Enum):

@@ -59,7 +59,8 @@ class ProcessGroup:
 
     ``backend``: ``"ulfm"`` (the default on CPU: the World's communicator, kept through a
     substitution, made again, locally, after a shrink), ``"gloo"`` or ``"nccl"`` (the default
-    where CUDA is present), made again after every rebuild (collective then: every active rank
+    where CUDA is present), installed as the default group when constructed (collective: construct
+    it on every active rank) and made again after every rebuild (collective then: every active rank
     reaches ``group`` at the same point). ``timeout`` (Gloo, NCCL): how long one of their
     collectives may wait; after a failure, the bound on a Gloo rank waiting for a peer that left
     for the recovery (and a healthy collective must not wait longer for its slowest rank)."""
@@ -74,6 +75,7 @@ class ProcessGroup:
         self._generation: int | None = None
         self._store: Any = None
         self._mpi: _mpigroup.MPIGroup | None = None
+        self._make()  # the default group from here on: fully_shard, DCP and torch's own calls find it
 
     @property
     def group(self) -> Any:

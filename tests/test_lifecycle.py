@@ -68,6 +68,8 @@ def test_nonzero_exit_without_any_flag_is_recovered_bitwise(tmp_path, reference)
     (died,) = fates_by_end(job)["died"]
     assert died["code"] == 3 and died["step"] == 12
     assert the_rebuild(job)["failed"] == [1]
+    # torchrun's variables, plain integers, on the survivors and on the promoted spare alike
+    assert job.result["env"] == [[str(r), "4", str(r), "4"] for r in range(4)]
 
 
 def test_sigstop_without_any_flag_is_found_by_the_heartbeat(tmp_path, reference):

@@ -53,6 +53,7 @@ def test_rank_kinds_are_distinct_types():
     logical, current = LogicalRank(3), CurrentRank(3)
     assert type(logical) is not type(current)
     assert repr(logical) == "LogicalRank(3)" and repr(current) == "CurrentRank(3)"
+    assert str(logical) == str(current) == f"{current}" == "3"  # RANK=3 in the environment, never CurrentRank(3)
 
 
 def test_mpi_errors_translate_by_recovery_kind():

@@ -11,8 +11,10 @@ from elastic.distributed import ProcessGroup
 
 @pytest.fixture(scope="module")
 def group(world):
-    group = ProcessGroup(world).group  # the default group from here on
-    assert group.getBackendName() == "ulfm" and dist.get_world_size() == world.size
+    made = ProcessGroup(world)  # the default group from here on, before anything reads .group
+    assert dist.is_initialized() and dist.get_rank() == world.rank and dist.get_world_size() == world.size
+    group = made.group
+    assert group.getBackendName() == "ulfm" and group is dist.group.WORLD
     return group
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 
 import numpy as np
@@ -58,13 +59,15 @@ def main() -> int:
         return state.loss
 
     loss = train(world, state)
+    # What torchrun's conventions put in the environment, as each rank sees it now (after any rebuild).
+    env = world.allgather([os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")])
     if world.rank == 0:
         model, optimizer = (hashlib.sha256(state[k].tobytes()).hexdigest() for k in ("weights", "momentum"))
         print(f"[numpy_train] done: {state.step} steps on {world.size} ranks, loss {loss:.6f}, "
               f"model sha256 {model}", flush=True)
         world.events.emit("result", steps=state.step, size=world.size, generation=world.generation, final_loss=loss,
                           logical_ranks=[int(r) for r in world.logical_ranks], model_sha256=model,
-                          optimizer_sha256=optimizer)
+                          optimizer_sha256=optimizer, env=env)
     return 0
 
 
