@@ -29,7 +29,8 @@ import numpy as np
 
 from elastic.comm import Group, Outlook, ProcessFailure, Rebuild, Recoverable, Role, Unrecoverable, agreed
 from elastic.comm.wire import message
-from elastic.recovery import LR_BOOST, ReplicatedStore, checkfree_average, plan_mesh_recovery, whole_replicas
+from elastic.recovery import (LR_BOOST, Method, ReplicatedStore, checkfree_average, plan_mesh_recovery,
+                              whole_replicas)
 
 from ._handlers import Module, Stateful
 from ._clock import StepClock
@@ -280,7 +281,7 @@ class StageRebuild:
         plan, problem = self._plan(lost)
         # The store comes back on every rebuild (it must follow the world), and is used where a twin is not enough.
         if self.store is not None and self.store.recover(give_up=True) and \
-                (problem is not None or any(way.method != "twin" for way in plan)):
+                (problem is not None or any(way.method is not Method.TWIN for way in plan)):
             grad_norm, resume, plan, problem = self._from_store(lost, me, stage, optimizer, grad_norm)
         if problem is not None:  # every rank plans from the same agreed data: stop together
             raise agreed(problem)
@@ -313,9 +314,9 @@ class StageRebuild:
         neighbour its blocks (and its moments, with ``average_moments``); by source."""
         sends: dict[int, list[StagePayload]] = {}
         for way in plan:
-            if way.method == "twin" and me == way.sources[0]:
+            if way.method is Method.TWIN and me == way.sources[0]:
                 payload = StagePayload(me, _arrays(stage), grad_norm, optimizer.state_dict(), self.copies)
-            elif way.method != "twin" and me in way.sources:
+            elif way.method is not Method.TWIN and me in way.sources:
                 payload = StagePayload(me, _arrays(stage.body), grad_norm,
                                        _moments(stage, optimizer) if self.average_moments else {}, self.copies)
             else:
@@ -327,25 +328,25 @@ class StageRebuild:
               make_optimizer: Callable[[float], Any]) -> tuple[Any, float]:
         """This rank's stage from what its sources sent, by the plan's method (local)."""
         moments: Any = {}
-        if way.method == "twin":
+        if way.method is Method.TWIN:
             twin = received[way.sources[0]]
             _load(stage, twin.weights)
             optimizer.load_state_dict(twin.state)
             self.copies, grad_norm = twin.copies, twin.grad_norm
-        elif way.method == "checkfree":
+        elif way.method is Method.CHECKFREE:
             a, b = received[way.sources[0]], received[way.sources[1]]
             _load(stage.body, checkfree_average(a.weights, b.weights, a.grad_norm, b.grad_norm))
             moments = checkfree_average(a.state, b.state, a.grad_norm, b.grad_norm) if a.state and b.state else {}
-        else:  # checkfree+: the swapped neighbour's blocks, and the end layer it kept a copy of
+        else:  # CHECKFREE_PLUS: the swapped neighbour's blocks, and the end layer it kept a copy of
             swapped = received[way.sources[0]]
             _load(stage.body, swapped.weights)
             _load(getattr(stage, "embed" if way.stage == 0 else "head"), swapped.copies["embed" if way.stage == 0
                                                                                        else "head"])
             moments = swapped.state
         me = int(self.world.logical_rank)
-        self.world.events.emit("stage_rebuilt", stage=way.stage, method=way.method, sources=list(way.sources),
+        self.world.events.emit("stage_rebuilt", stage=way.stage, method=way.method.value, sources=list(way.sources),
                                replica=me // self.stages, moments=bool(moments))
-        if way.method != "twin":
+        if way.method is not Method.TWIN:
             optimizer = make_optimizer(LR_BOOST)
             if moments:
                 _seed_moments(stage, optimizer, moments)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from elastic.comm.runtime import lazy_exports
 
 from ._errors import CommitRejected, NothingCommitted
-from ._checkfree import (LR_BOOST, MeshRecovery, StageRecovery, checkfree_average, plan_mesh_recovery,
+from ._checkfree import (LR_BOOST, MeshRecovery, Method, StageRecovery, checkfree_average, plan_mesh_recovery,
                          plan_stage_recovery, replica_holders, whole_replicas)
 from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
@@ -33,4 +33,4 @@ __getattr__, __dir__ = lazy_exports(globals(), {
 __all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
            "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery",
            "MeshRecovery", "plan_mesh_recovery", "whole_replicas", "checkfree_average",
-           "replica_holders", "LR_BOOST", "Adopt", "share"]
+           "replica_holders", "LR_BOOST", "Adopt", "share", "Method"]

@@ -15,6 +15,7 @@ rebuilt this way: only a replica brings them back.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Collection, Mapping
 
 import numpy as np
@@ -24,13 +25,22 @@ from elastic.comm import ConfigError, Unrecoverable
 LR_BOOST = 1.1  # the paper's learning-rate factor for a CheckFree-rebuilt stage
 
 
+class Method(str, enum.Enum):
+    """How a lost stage comes back (a ``str``: events and reports carry its value)."""
+
+    TWIN = "twin"                      # a live rank of the same stage in another data-parallel replica
+    REPLICA = "replica"                # a copy of the stage kept elsewhere
+    CHECKFREE = "checkfree"            # the average of its two neighbours, by their gradient norms
+    CHECKFREE_PLUS = "checkfree+"      # an end stage: its swapped neighbour, and the end layer it kept
+
+
 @dataclasses.dataclass(frozen=True)
 class StageRecovery:
     """How one lost stage comes back: ``method`` is "replica", "checkfree" or "checkfree+";
     ``sources`` are the stages whose weights it is built from (the replica's holder for "replica")."""
 
     stage: int
-    method: str
+    method: Method
     sources: tuple[int, ...]
 
 
@@ -79,7 +89,7 @@ def _plan_stages(stages: int, lost: set[int], replicas: Mapping[int, set[int]],
     for s in sorted(lost):
         live = sorted(set(replicas.get(s, ())) - lost)
         if live:
-            plan[s] = StageRecovery(s, "replica", (live[0],))
+            plan[s] = StageRecovery(s, Method.REPLICA, (live[0],))
     def whole(t: int) -> bool:
         return t not in lost or t in plan
 
@@ -89,9 +99,9 @@ def _plan_stages(stages: int, lost: set[int], replicas: Mapping[int, set[int]],
         progress = False
         for s in sorted(lost - set(plan)):
             if 0 < s < stages - 1 and whole(s - 1) and whole(s + 1):
-                plan[s] = StageRecovery(s, "checkfree", (s - 1, s + 1))
+                plan[s] = StageRecovery(s, Method.CHECKFREE, (s - 1, s + 1))
             elif s in (0, stages - 1) and stages > 2 and checkfree_plus and whole(1 if s == 0 else s - 1):
-                plan[s] = StageRecovery(s, "checkfree+", (1 if s == 0 else s - 1,))
+                plan[s] = StageRecovery(s, Method.CHECKFREE_PLUS, (1 if s == 0 else s - 1,))
             else:
                 continue
             progress = True
@@ -113,7 +123,7 @@ class MeshRecovery:
 
     rank: int
     stage: int
-    method: str
+    method: Method
     sources: tuple[int, ...]
 
 
@@ -151,7 +161,7 @@ def plan_mesh_recovery(dp: int, pp: int, lost: set[int], checkfree_plus: bool = 
     for rank in sorted(lost):
         stage = rank % pp
         if stage not in gone:
-            plan.append(MeshRecovery(rank, stage, "twin", (live(stage)[0],)))
+            plan.append(MeshRecovery(rank, stage, Method.TWIN, (live(stage)[0],)))
         else:
             way = by_stage[stage]
             plan.append(MeshRecovery(rank, stage, way.method, tuple(live(t)[0] for t in way.sources)))
