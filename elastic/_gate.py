@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from elastic.comm import ProcessFailure, Recoverable, Unrecoverable, agreed
+from elastic.comm import ConfigError, ProcessFailure, Recoverable, Unrecoverable, agreed
 from elastic.recovery import CommitRejected, ReplicatedStore, checksum
 
 from ._capture import INDEX, Capture
@@ -77,6 +77,10 @@ class Gate:
             return
         if found.nonfinite:
             self._refuse_nonfinite(found.nonfinite_step, found.nonfinite_what, found.nonfinite_values, version)
+        if found.structure:
+            values = {n: {k: list(r) for k, r in kinds.items()} for n, kinds in found.structure.items()}
+            world.events.emit("integrity", verdict="structure", version=version, values=values)
+            raise agreed(_structure_error(found.structure, version))
         if found.fenced:
             self._fence(found.fenced, found.differ, len(ranks), version)
         world.events.emit("integrity", verdict="no_majority", version=version, values=list(found.no_majority))
@@ -144,6 +148,17 @@ class Gate:
         if len(self._rollbacks) >= self._max_failures:
             return f"{len(self._rollbacks)} roll-backs in a row without a successful commit"
         return None
+
+
+def _structure_error(structure: Mapping[str, Mapping[str, tuple[int, ...]]], version: int) -> ConfigError:
+    listed = "; ".join(f"{name!r}: " + ", ".join(f"{kind or 'another structure'} on logical ranks {list(ranks)}"
+                                                 for kind, ranks in kinds.items())
+                       for name, kinds in list(structure.items())[:5])
+    more = f" (and {len(structure) - 5} more)" if len(structure) > 5 else ""
+    return ConfigError(
+        f"version {version} not committed: values that must be equal on every rank differ in name, dtype or shape "
+        f"({listed}{more}). That is the program's doing, not a corruption: every rank must hold the same values "
+        "alike (same names, shapes, dtypes), or name per-rank values in local=(...); nothing was fenced")
 
 
 def _no_majority(names: tuple[str, ...], everyone: list[dict[str, Any]], ranks: list[int]) -> CommitRejected:

@@ -7,6 +7,8 @@ gathered documents to the same ``Verdict``: the version becomes current, or it d
 every rank does the same thing about it. A rank whose values that must be equal differ from a
 strict majority's is fenced (it fails, and is replaced like a dead one: its state comes from the
 majority); with two ranks, or no majority, nobody can tell which copy is right, and the job stops.
+A value whose name, dtype or shape differs on some rank is no corruption (bits flip, shapes do not):
+a program error, refused on every rank alike, and nobody is fenced for it.
 
 The straggler detector reads each step's own work per rank (the step's time less what the rank
 waited in collectives), gathered on every rank alike, so its decision is agreed without a vote.
@@ -87,6 +89,8 @@ class Verdict:
     fenced: tuple[int, ...] = ()             # logical ranks whose shared values differ from the majority's
     differ: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # fenced rank -> values
     no_majority: tuple[str, ...] = ()        # values that differ where no strict majority agrees
+    # values whose structure differs: name -> {its dtype and shape, or "missing": the logical ranks}
+    structure: Mapping[str, Mapping[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
 
     @property
     def nonfinite(self) -> bool:
@@ -94,7 +98,7 @@ class Verdict:
 
     @property
     def good(self) -> bool:
-        return not (self.nonfinite or self.fenced or self.no_majority)
+        return not (self.nonfinite or self.fenced or self.no_majority or self.structure)
 
 
 def verdict(documents: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Verdict:
@@ -111,6 +115,9 @@ def verdict(documents: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Ver
     if all(d["digest"] == documents[0]["digest"] for d in documents):  # the common case: O(ranks)
         return Verdict()
     sums = [d["sums"] for d in documents]
+    structure = _structure(sums, ranks)
+    if structure:  # a program error (a shape, a dtype, a name cannot flip): nobody is fenced for it
+        return Verdict(structure=structure)
     groups: list[tuple[dict[str, str], list[int]]] = []
     for rank, mine in zip(ranks, sums):
         for key, members in groups:
@@ -126,6 +133,21 @@ def verdict(documents: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> Ver
     differ = {rank: tuple(n for n in names if mine.get(n) != majority_sums.get(n))
               for rank, mine in zip(ranks, sums) if mine != majority_sums}
     return Verdict(fenced=tuple(sorted(differ)), differ=differ)
+
+
+def _structure(sums: Sequence[Mapping[str, str]], ranks: Sequence[int]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The values whose name, dtype or shape differs across ranks (a fingerprint is
+    ``dtype:shape:checksum``): value -> {dtype:shape, or "missing": logical ranks}. O(ranks x values),
+    only when two digests differ."""
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name in sorted({n for mine in sums for n in mine}):
+        kinds: dict[str, list[int]] = {}
+        for rank, mine in zip(ranks, sums):
+            fingerprint = mine.get(name)
+            kinds.setdefault("missing" if fingerprint is None else fingerprint.rpartition(":")[0], []).append(rank)
+        if len(kinds) > 1:
+            out[name] = {kind: tuple(members) for kind, members in kinds.items()}
+    return out
 
 
 def digest(sums: Mapping[str, str]) -> int:

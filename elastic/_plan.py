@@ -29,6 +29,13 @@ from ._settings import ROWS as TRAINING_ROWS
 from ._settings import Training
 
 DESCRIPTION = "Launch a job under mpiexec --with-ft ulfm and report what each process did."
+INJECT_HELP = (
+    "fault schedule: entries RANK@WHERE[:ACTION][/gGEN] joined by commas, or a JSON list (inline or a file) of "
+    "{rank, step, point, action, gen, factor}. WHERE: a step S (the loop's step point), cS (inside step S's "
+    "collective), commitV (inside the commit of version V), agree, rebuild, restore, spawn, finish; sK@park "
+    "for the K-th parked spare; nodeK@S on --simulate-nodes. ACTION: kill (default), exit, raise, hang (SIGSTOP), "
+    "stall, node, runtime, warm (kill the warm process), nan, bitflip, slow=X. GEN: the generation it fires in "
+    "(default 0). E.g. 1@10, 1@10,2@10, 2@c5:hang, 3@rebuild/g1, 1@20:nan, 2@10:slow=3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--relaunches", type=int, default=None,
                         help="relaunches from the nodes' memory when the runtime ends unfinished (a node lost); "
                              "default 2 when the job spans hosts, else 0 (0: off, no node memory kept)")
-    parser.add_argument("--spares", type=int, default=0, help="hot spare ranks launched on top of -n")
-    parser.add_argument("--inject", help="fault schedule, e.g. 1@10 or 1@5,2@10/g1 (see elastic.comm)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="hot spare ranks launched on top of -n (default %(default)s)")
+    parser.add_argument("--inject", metavar="SCHEDULE", help=INJECT_HELP)
     parser.add_argument("--cold", action="store_true",
                         help="start every rank cold (a new interpreter importing everything) instead of forking it "
                              "from this machine's warm process")
@@ -110,13 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed "
                         "(exit 124; default: none)")
     parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds the ranks get to leave after SIGTERM / SIGINT before they are killed")
+                        help="seconds the ranks get to leave after SIGTERM / SIGINT before they are killed "
+                             "(default %(default)s)")
     parser.add_argument("--run-dir", type=Path, help="events and outcome files (default elastic-run/<time>)")
     parser.add_argument("--detector", action="store_true",
                         help="Open MPI's heartbeat failure detector as well (declares a rank that is silent in "
                              "MPI for 2 s dead, so long computations between MPI calls are not allowed)")
     parser.add_argument("--oversubscribe", action="store_true", help="force --oversubscribe")
-    parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    parser.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="an Open MPI MCA parameter for mpiexec, after the launcher's own (so it wins); "
+                             "repeat it for more, e.g. --mca btl_tcp_if_include eth0")
     parser.add_argument("--mpiexec", help="mpiexec to use (default: the one on PATH, else the one beside this Python)")
     talk = parser.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true",

@@ -59,9 +59,10 @@ class ProcessGroup:
 
     ``backend``: ``"ulfm"`` (the default on CPU: the World's communicator, kept through a
     substitution, made again, locally, after a shrink), ``"gloo"`` or ``"nccl"`` (the default
-    where CUDA is present), installed as the default group when constructed (collective: construct
-    it on every active rank) and made again after every rebuild (collective then: every active rank
-    reaches ``group`` at the same point). ``timeout`` (Gloo, NCCL): how long one of their
+    where CUDA is present). The ``ulfm`` group is the default group as soon as this is constructed
+    (local); a Gloo or NCCL group needs a rendezvous, made where every active rank reads ``group``
+    (collective: a promoted spare constructs this while the survivors recover, so not here). Both
+    are made again after every rebuild, at ``group``. ``timeout`` (Gloo, NCCL): how long one of their
     collectives may wait; after a failure, the bound on a Gloo rank waiting for a peer that left
     for the recovery (and a healthy collective must not wait longer for its slowest rank)."""
 
@@ -75,7 +76,8 @@ class ProcessGroup:
         self._generation: int | None = None
         self._store: Any = None
         self._mpi: _mpigroup.MPIGroup | None = None
-        self._make()  # the default group from here on: fully_shard, DCP and torch's own calls find it
+        if self.backend == BACKEND:  # local, no rendezvous: the default group from here on (fully_shard,
+            self._make()             # DCP and torch's own calls find it); Gloo's and NCCL's meet in .group
 
     @property
     def group(self) -> Any:

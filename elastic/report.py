@@ -143,6 +143,9 @@ def integrity(events: list[dict]) -> list[str]:
         elif e["verdict"] == "fenced":
             differ = "; ".join(f"logical rank {r}: {', '.join(v[:3])}" for r, v in e["values"].items())
             lines.append(f"  version {e['version']} not committed: fenced, differing from the majority ({differ})")
+        elif e["verdict"] == "structure":
+            lines.append(f"  version {e['version']} refused: {', '.join(list(e['values'])[:3])} differ in name, dtype "
+                         "or shape across ranks (a program error): the job stops")
         else:
             lines.append(f"  version {e['version']} refused: {', '.join(e['values'][:3])} differ and no majority "
                          "agrees: the job stops")

@@ -28,10 +28,24 @@ def test_the_gate_fences_the_rank_that_differs_from_a_strict_majority():
     good, bad = {"w": "f4:[3]:1", "b": "f4:[1]:2"}, {"w": "f4:[3]:9", "b": "f4:[1]:2"}
     found = verdict([_doc(good), _doc(good), _doc(bad), _doc(good)], [0, 1, 2, 3])
     assert found.fenced == (2,) and dict(found.differ) == {2: ("w",)} and not found.nonfinite
-    # The majority need not include rank 0, and values may be missing on the odd rank.
-    found = verdict([_doc({"w": "x"}), _doc(good), _doc(good)], [0, 1, 2])
+    # The majority need not include rank 0.
+    found = verdict([_doc({"w": "f4:[3]:7", "b": "f4:[1]:8"}), _doc(good), _doc(good)], [0, 1, 2])
     assert found.fenced == (0,) and dict(found.differ) == {0: ("b", "w")}
     assert verdict([_doc(good)] * 4, [0, 1, 2, 3]).good
+
+
+def test_a_value_whose_name_dtype_or_shape_differs_is_a_program_error_not_a_corruption():
+    """Bits flip, shapes do not: one rank reshaping a shared value, changing its dtype or missing it
+    is refused (nobody fenced), whatever the majority, with the ranks of each structure named."""
+    good = {"w": "<f4:[3, 4]:1", "b": "<f4:[1]:2"}
+    reshaped = {"w": "<f4:[12]:1", "b": "<f4:[1]:2"}
+    found = verdict([_doc(good), _doc(good), _doc(reshaped), _doc(good)], [0, 1, 2, 3])
+    assert not found.fenced and not found.good
+    assert {n: dict(k) for n, k in found.structure.items()} == {"w": {"<f4:[3, 4]": (0, 1, 3), "<f4:[12]": (2,)}}
+    missing = verdict([_doc(good), _doc({"w": good["w"]}), _doc(good)], [0, 1, 2])
+    assert {n: dict(k) for n, k in missing.structure.items()} == {"b": {"<f4:[1]": (0, 2), "missing": (1,)}}
+    recast = verdict([_doc(good), _doc({**good, "b": "<f8:[1]:2"})], [0, 1])  # two ranks: still named, not a tie
+    assert set(recast.structure) == {"b"} and not recast.no_majority
 
 
 @pytest.mark.parametrize("docs", [
@@ -157,6 +171,20 @@ def test_a_bit_flip_with_two_ranks_stops_every_process_naming_the_value(tmp_path
     (flip,) = job.of("bitflip")
     assert f"'{flip['value']}' on logical ranks [1] differs" in message and "last version is kept" in message
     assert "no majority of the 2 ranks" in message and not job.has_result
+
+
+@pytest.mark.fault
+def test_one_rank_reshaping_a_shared_value_stops_every_rank_naming_it_and_fences_nobody(tmp_path):
+    """A shape cannot flip: logical rank 1 giving a buffer of its model another shape is the
+    program's error, refused at the next commit on every rank with the value and the ranks named;
+    nobody is fenced, the spare is not spent, exit 1."""
+    job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("reshape"))
+    assert job.rc == 1, job.output
+    assert job.statuses() == ["error"] * 4 + ["spare-unused"] and not job.of("rebuilt")
+    (message,) = {o["message"] for o in job.outcomes if o["status"] == "error"}
+    assert "'model.counts'" in message and "[2, 2]" in message and "logical ranks [1]" in message, message
+    assert "nothing was fenced" in message and "version 3 not committed" in message
+    assert _verdicts(job) == {("structure", None, ())}
 
 
 @pytest.mark.fault

@@ -143,6 +143,19 @@ def test_launcher_checks_its_timeouts_order_and_builds_settings_from_their_rows(
     assert env["ELASTIC_ON_NONFINITE"] == "skip" and env["ELASTIC_STRAGGLER_FACTOR"] == "4"
 
 
+def test_the_launchers_help_says_every_default_and_the_whole_injection_grammar():
+    from elastic._plan import _parser
+    parser = _parser()
+    for action in parser._actions:
+        if action.option_strings and action.help and action.default not in (None, False, [], "==SUPPRESS=="):
+            assert "default" in action.help, f"{action.option_strings[0]} does not say its default"
+        if action.option_strings and action.option_strings[-1] != "--help":
+            assert action.help, f"{action.option_strings[-1]} has no help"
+    (inject,) = [a for a in parser._actions if "--inject" in a.option_strings]
+    from elastic.comm.faults import ACTIONS, POINTS
+    assert all(word in inject.help for word in ACTIONS + tuple(p for p in POINTS if p not in ("step", "collective")))
+
+
 def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
     assert launch.slurm_slots("2(x3),1", ["a", "b", "c", "d"]) == [("a", 2), ("b", 2), ("c", 2), ("d", 1)]
     with pytest.raises(SystemExit, match="does not match"):

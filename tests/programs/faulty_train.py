@@ -12,7 +12,9 @@ which a recovery replays). ``late``: every rank adds the same error to a weight 
 once per process (equal everywhere and finite: it passes the integrity gate and is committed), and
 the loss it reports is NaN from four steps later while that error is in the model: a corruption
 found late, which only a version from before it undoes. ``pause``: logical rank FAULT_RANK spends
-half a second more in step FAULT_STEP, once (a GC pause: not a straggler).
+half a second more in step FAULT_STEP, once (a GC pause: not a straggler). ``reshape``: every rank
+keeps a buffer ``counts`` in its model, and logical rank FAULT_RANK gives it another shape at step
+FAULT_STEP (a program error the integrity gate must refuse, not fence).
 """
 from __future__ import annotations
 
@@ -41,7 +43,12 @@ def local_loss(world, model, x, y, batches, step, args):
                 model[0].weight[0, 0] += 1024.0
         loss, samples = _local_loss(world, model, x, y, batches, step, args)
         return (float("nan") if step >= STEP + 4 and abs(float(model[0].weight[0, 0])) > 100 else loss), samples
+    if KIND == "reshape" and not hasattr(model, "counts"):
+        model.register_buffer("counts", torch.zeros(4))  # a value every rank holds alike (in the State)
     if step == STEP and world.logical_rank == RANK and (ALWAYS or world.generation == 0):
+        if KIND == "reshape":
+            model.counts = torch.zeros(2, 2)
+            return _local_loss(world, model, x, y, batches, step, args)
         if KIND == "raise":
             raise ValueError(f"a bug in the user's code at step {step}")
         if KIND == "exit":
