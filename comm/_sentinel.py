@@ -17,7 +17,8 @@ sentinel watches the program (through a page of shared memory, see
   waits in MPI for its peers), or misses a deadline it asked for,
 
 kills what is left of it and then itself with SIGKILL: the survivors see a
-failure within milliseconds and recover. Each time it writes
+failure within milliseconds and recover. The program's end wakes the sentinel
+at once (a pidfd the kernel makes readable); the page is read on a period. Each time it writes
 ``fate-<host>-<pid>.json`` (pid: the program's) in the run directory, saying
 how the process ended, which the launcher lists. SIGTERM / SIGINT / SIGHUP are
 passed on to the program, which gets ``term_grace`` seconds to leave before it
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import select
 import os
 import signal
 import socket
@@ -43,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from . import _warm
 from ._config import Config
@@ -110,7 +112,10 @@ class Sentinel:
 
     # ------------------------------------------------------------------ watching
     def _watch(self) -> str | None:
-        """Poll the child and the shared page until the child exits (None) or must be killed (why)."""
+        """Watch the child and the shared page until the child exits (None) or must be killed (why).
+        The child's end wakes the watch at once (the kernel's notification on a pidfd: no timer in
+        the way of the survivors learning of it); the page is read every ``POLL_SECONDS``."""
+        ended = _end_of(self.child)
         while self.child.poll() is None:
             now = time.monotonic()
             page = self.page.read()
@@ -124,7 +129,7 @@ class Sentinel:
             verdict = self._verdict(now, page)
             if verdict is not None:
                 return verdict
-            time.sleep(POLL_SECONDS)
+            ended(POLL_SECONDS)
         return None
 
     def _verdict(self, now: float, page: dict[str, int | None]) -> str | None:
@@ -200,6 +205,23 @@ class Sentinel:
             tmp.replace(path)
         except OSError as exc:
             sys.stderr.write(f"[sentinel] could not record the end of pid {pid}: {exc}\n")
+
+
+def _end_of(child: Any) -> Callable[[float], bool]:
+    """A wait of at most ``seconds`` that returns as soon as ``child`` ends (True then): select on its
+    pidfd (a started child's, or the one a warm process's child is watched through); a plain sleep
+    where the kernel has no pidfds."""
+    try:
+        pidfd = child.pidfd if isinstance(child, _warm.WarmChild) else os.pidfd_open(child.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+
+    def wait(seconds: float) -> bool:
+        if pidfd is None:
+            time.sleep(seconds)
+            return False
+        return bool(select.select([pidfd], [], [], seconds)[0])
+    return wait
 
 
 def _die_with_parent(sentinel: int) -> Any:

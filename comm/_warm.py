@@ -57,6 +57,11 @@ class WarmChild:
         self._told = True  # the warm process is there to tell the status
         self.returncode: int | None = None
 
+    @property
+    def pidfd(self) -> int:
+        """Readable once the child has ended (what the sentinel's watch waits on)."""
+        return self._pidfd
+
     def poll(self) -> int | None:
         return self._wait(0)
 

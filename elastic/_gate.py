@@ -78,8 +78,8 @@ class Gate:
         if found.nonfinite:
             self._refuse_nonfinite(found.nonfinite_step, found.nonfinite_what, found.nonfinite_values, version)
         if found.structure:
-            values = {n: {k: list(r) for k, r in kinds.items()} for n, kinds in found.structure.items()}
-            world.events.emit("integrity", verdict="structure", version=version, values=values)
+            named = {n: {k: list(r) for k, r in kinds.items()} for n, kinds in found.structure.items()}
+            world.events.emit("integrity", verdict="structure", version=version, values=named)
             raise agreed(_structure_error(found.structure, version))
         if found.fenced:
             self._fence(found.fenced, found.differ, len(ranks), version)

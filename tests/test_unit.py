@@ -156,6 +156,20 @@ def test_the_launchers_help_says_every_default_and_the_whole_injection_grammar()
     assert all(word in inject.help for word in ACTIONS + tuple(p for p in POINTS if p not in ("step", "collective")))
 
 
+@pytest.mark.timeout(30)
+def test_the_sentinel_learns_of_its_childs_end_from_the_kernel_not_from_its_next_poll():
+    """The watch waits on the child's pidfd: the end wakes it at once (a timer would sleep the whole
+    60 s here, and the test's bound would fail it); the page's checks keep their own period."""
+    import subprocess
+
+    from elastic.comm import _sentinel
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    wait = _sentinel._end_of(child)
+    assert wait(0.01) is False  # still running: the period passes
+    assert wait(60) is True
+    assert child.wait(5) == 0
+
+
 def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
     assert launch.slurm_slots("2(x3),1", ["a", "b", "c", "d"]) == [("a", 2), ("b", 2), ("c", 2), ("d", 1)]
     with pytest.raises(SystemExit, match="does not match"):
