@@ -107,6 +107,7 @@ class Attempt:
         self.plan = plan
         self.warm = warm  # the warm process's pid: the ranks it forked are this launch's too
         self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
+        self.stopped_at: float | None = None  # the same, wall time (the fates' clock)
         self.leftovers: list[int] = []
         self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
         self.killed_stopped: list[int] = []
@@ -121,6 +122,7 @@ class Attempt:
         if not self.stopping:
             print(f"\n[launch] {why}: stopping the job ({self.plan.grace:g} s grace)", file=sys.stderr, flush=True)
             self.stopping.append(time.monotonic())
+            self.stopped_at = time.time()  # what ended after this was the stop's doing
             self.proc.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank's sentinel
 
     def wait(self, deadline: float | None) -> None:
@@ -156,14 +158,16 @@ class Attempt:
             output.join(timeout=5)
 
     def _sweep_stopped_sentinels(self, now: float) -> None:
-        """Kill a sentinel stopped for twice the hang bound (this host). Its rank kills it after the
-        bound while the rank lives; a sentinel stopped after its rank ended has nobody else to free
-        mpiexec from it, and a job that finished would otherwise never end."""
+        """Kill a sentinel stopped for twice the hang bound (this host), or at once when its rank has
+        ended (said so in its outcome). Its rank kills it after the bound while the rank lives; a
+        sentinel stopped after its rank ended has nobody else to free mpiexec from it, and a job
+        that finished would otherwise wait for the bound, or never end."""
         bound = 2 * (self.plan.config.hang_timeout or STOPPED_SENTINEL_SECONDS)
         stopped = {pid for pid in _session_processes(self.proc.pid, "Tt") if _is_sentinel(pid)}
         self.stopped_since = {pid: self.stopped_since.get(pid, now) for pid in stopped}
+        done = sentinels_of_ended_ranks(self.plan.run_dir) if stopped else set()
         for pid, since in self.stopped_since.items():
-            if now - since > bound:
+            if now - since > bound or pid in done:  # a rank that has ended cannot free its sentinel
                 print(f"[launch] the sentinel pid {pid} has been stopped for {now - since:.0f} s: killed",
                       file=sys.stderr, flush=True)
                 self.killed_stopped.append(pid)
@@ -182,6 +186,14 @@ class Attempt:
     def start_failure(self) -> str | None:
         """The runtime's words when it could not come up (only meaningful when no process began)."""
         return next((o.start_failure for o in self.outputs if o.start_failure), None)
+
+
+def sentinels_of_ended_ranks(run_dir: Path) -> set[int]:
+    """The sentinels (pids) whose rank has written its outcome: it ended, its sentinel has nothing
+    left to watch (local; reads the run directory)."""
+    ended = {o["pid"] for o in read_outcomes(run_dir)}
+    return {e["sentinel_pid"] for e in read_events(run_dir)
+            if e["event"] in ("started", "spawned") and e.get("sentinel_pid") and e["pid"] in ended}
 
 
 def run_pids(run_dir: Path) -> set[int]:
@@ -210,15 +222,16 @@ class Summary:
 
 
 def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int] | None = None,
-              stopped: str | None = None) -> Summary:
+              stopped: str | None = None, since: float | None = None) -> Summary:
     """What became of the job and of each process, from the files they wrote (local).
 
     ``finished``: the training finished (some process finished, none stopped the
     job with an error, none failed after finishing). ``deaths``: every process
     that did not leave together with the others, with how it ended. ``never_fired``: schedule
     entries that no process announced. ``only``: these processes (one launch of several).
-    ``stopped``: why this launcher stopped the job (a signal's name, a timeout): a process
-    that said nothing of its own end, or ended by a termination signal, ended by that request.
+    ``stopped``: why this launcher stopped the job (a signal's name, a timeout), ``since`` when
+    (wall time): a process that said nothing of its own end, or ended by a termination signal (a
+    SIGKILL: after ``since``), ended by that request; a death before the stop keeps its own cause.
     """
     outcomes = {o["pid"]: o for o in read_outcomes(run_dir) if only is None or o["pid"] in only}
     fates = {f["pid"]: f for f in read_fates(run_dir) if only is None or f["pid"] in only}
@@ -236,7 +249,7 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
             (fate is None or fate["end"] == "exited")
         if left_together:  # finished, released, or stopped with the job's agreed error (told once, below)
             continue
-        how = f"stopped on request ({stopped})" if stopped and _ended_by_a_stop(outcome, fate) else \
+        how = f"stopped on request ({stopped})" if stopped and _ended_by_a_stop(outcome, fate, since) else \
             _how(outcome, fate)
         deaths.append({"pid": pid, "logical": info.get("logical"), "gen": info.get("gen"),
                        "role": info.get("role"), "status": status, "how": how,
@@ -249,7 +262,7 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
     never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen) not in fired]
     counts: dict[str, int] = {}
     for pid in pids:  # by what the process said, else by what its sentinel saw
-        key = "stopped on request" if stopped and _ended_by_a_stop(outcomes.get(pid), fates.get(pid)) else \
+        key = "stopped on request" if stopped and _ended_by_a_stop(outcomes.get(pid), fates.get(pid), since) else \
             outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
             "died without a word"
         counts[key] = counts.get(key, 0) + 1
@@ -259,13 +272,15 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
                    fates=list(fates.values()))
 
 
-def _ended_by_a_stop(outcome: dict | None, fate: dict | None) -> bool:
+def _ended_by_a_stop(outcome: dict | None, fate: dict | None, since: float | None) -> bool:
     """A process that left no word of its own end, or was ended by a termination signal: what a
-    stop of the whole job (the launcher's SIGTERM, passed on to everyone) leaves behind."""
+    stop of the whole job (the launcher's SIGTERM, passed on to everyone, then SIGKILL after the
+    grace) leaves behind. A SIGKILL before the stop began (``since``) was someone else's: its own."""
     if outcome is not None:
         return outcome["status"] == "failed" and outcome.get("kind") in SIGNAL_ERRORS
-    return fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP",
-                                                                                   "SIGKILL")
+    if fate is None or fate["end"] == "terminated" or fate.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP"):
+        return True
+    return fate.get("signal") == "SIGKILL" and (since is None or fate.get("t", since) >= since)
 
 
 def _how(outcome: dict | None, fate: dict | None) -> str:

@@ -207,7 +207,8 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
     notes = done.notes
     timed_out = bool(attempt.stopping) and not got
     stopped = signal.Signals(got[0]).name if got else "timeout" if timed_out else None
-    summary = summarize(plan.run_dir, done.config.inject, stopped=stopped)  # what the last launch still owed
+    summary = summarize(plan.run_dir, done.config.inject, stopped=stopped,  # what the last launch still owed
+                        since=attempt.stopped_at)
     if timed_out:
         rc = 124
         notes.append(f"TIMED OUT after {plan.timeout:g} s")

@@ -116,6 +116,31 @@ def test_a_stopped_job_lists_its_processes_as_stopped_on_request(tmp_path):
     assert summary.counts == {"stopped on request": 2, "failed": 1}
 
 
+def test_the_sentinels_of_ranks_that_said_their_end_are_known_to_the_launcher(tmp_path):
+    """A stopped sentinel whose rank has ended is killed at once (nobody else can free mpiexec of it),
+    not after twice the hang bound: the launcher knows it by the rank's outcome."""
+    from elastic._supervise import sentinels_of_ended_ranks
+    for pid, sentinel, status in ((11, 101, "finished"), (12, 102, None), (13, 103, "spare-unused")):
+        (tmp_path / f"events-h-{pid}.jsonl").write_text(json.dumps(
+            {"event": "started", "t": 0.0, "pid": pid, "sentinel_pid": sentinel}) + "\n")
+        if status:
+            (tmp_path / f"outcome-h-{pid}.json").write_text(json.dumps({"pid": pid, "status": status}))
+    assert sentinels_of_ended_ranks(tmp_path) == {101, 103}
+
+
+def test_a_sigkill_before_the_stop_keeps_its_own_cause_one_after_it_is_the_stops(tmp_path):
+    """After --timeout: a rank killed from outside before the stop began died of that kill; one
+    its sentinel saw killed after the stop (the grace ran out) was stopped on request."""
+    for pid, t in ((1, 100.0), (2, 205.0)):
+        _write(tmp_path, pid, None)
+        (tmp_path / f"fate-h-{pid}.json").write_text(json.dumps(
+            {"end": "died", "pid": pid, "host": "h", "t": t, "step": 7, "signal": "SIGKILL"}))
+    summary = launch.summarize(tmp_path, stopped="timeout", since=200.0)
+    how = {d["pid"]: d["how"] for d in summary.deaths}
+    assert how[2] == "stopped on request (timeout)" and "stopped on request" not in how[1], how
+    assert "SIGKILL" in how[1]
+
+
 def test_a_host_is_lost_when_every_process_on_it_died_and_another_host_lives():
     procs = [("a", 1), ("a", 2), ("b", 3), ("b", 4), None]
     assert _rebuild.hosts_lost(procs, [2, 3]) == ["b"]
