@@ -35,8 +35,8 @@ class StepPolicy(Protocol, Generic[T_co]):
         ...
 
     def restore(self, rebuild: Rebuild | None) -> None:
-        """After a rebuild (``rebuild``; None on a process that joined as a replacement and knows only
-        its world's last one): bring the state back, every rank alike (collective)."""
+        """After a rebuild (``world.last_rebuild``, which a replacement joined by): bring the state
+        back, every rank alike (collective)."""
         ...
 
     def steps(self) -> T_co:

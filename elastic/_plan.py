@@ -64,6 +64,7 @@ class LaunchPlan:
     mpiexec: str | None = None
     quiet: bool = False
     warm: bool = True                         # a warm process on this machine forks the ranks (``--cold``: not)
+    allow_unfired: bool = False               # an injection reached but never fired is not the job's failure
 
 
 def slurm_slots(tasks_per_node: str, hosts: list[str]) -> list[tuple[str, int]]:
@@ -109,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--spares", type=int, default=0,
                         help="hot spare ranks launched on top of -n (default %(default)s)")
     parser.add_argument("--inject", metavar="SCHEDULE", help=INJECT_HELP)
+    parser.add_argument("--allow-unfired", action="store_true",
+                        help="an injection whose step the loop passed without firing it is a warning, not exit 1")
     parser.add_argument("--cold", action="store_true",
                         help="start every rank cold (a new interpreter importing everything) instead of forking it "
                              "from this machine's warm process")
@@ -187,7 +190,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
                       run_dir=run_dir, relaunches=relaunches, inject_text=raw.inject, slurm=raw.slurm,
                       simulate_nodes=raw.simulate_nodes, timeout=raw.timeout, grace=raw.grace, detector=raw.detector,
                       oversubscribe=raw.oversubscribe, mca=tuple((k, v) for k, v in raw.mca),
-                      mpiexec=_mpiexec(raw.mpiexec, parser), quiet=raw.quiet, warm=warm)
+                      mpiexec=_mpiexec(raw.mpiexec, parser), quiet=raw.quiet, warm=warm,
+                      allow_unfired=raw.allow_unfired)
 
 
 def _mpiexec(given: str | None, parser: argparse.ArgumentParser) -> str:

@@ -213,6 +213,7 @@ class Summary:
     deaths: list[dict[str, Any]]             # those that did not leave together with the others, and how
     stopped_by: dict[str, str] | None        # the job's agreed error (kind, message), if one stopped it
     never_fired: list[dict[str, object]]     # schedule entries no process announced
+    reached: list[dict[str, object]]         # ... of them, those whose rank was there when the loop passed their step
     outcomes: list[dict[str, Any]]
     fates: list[dict[str, Any]]
 
@@ -268,8 +269,30 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
         counts[key] = counts.get(key, 0) + 1
     return Summary(finished=finished, processes=len(pids), counts=counts, deaths=deaths,
                    stopped_by={"kind": stop["kind"], "message": stop["message"]} if stop else None,
-                   never_fired=[i.to_dict() for i in never], outcomes=list(outcomes.values()),
-                   fates=list(fates.values()))
+                   never_fired=[i.to_dict() for i in never], reached=[i.to_dict() for i in unfired_but_reached(
+                       never, events)], outcomes=list(outcomes.values()), fates=list(fates.values()))
+
+
+def unfired_but_reached(entries: list[Injection], events: list[dict]) -> list[Injection]:
+    """The step and collective injections that did not fire although the loop passed their step in
+    their generation while their logical rank was active in it: the program's step points do not
+    reach them (a micro-step count, a collective that is not the library's), never a timing of the
+    job's. Local; O(events)."""
+    steps: dict[int, tuple[int, int]] = {}  # generation -> (the first, the last) steps done in it
+    present = set()                         # (generation, logical rank) that wrote anything
+    for e in events:
+        present.add((e.get("gen"), e.get("logical")))
+        if e["event"] == "step" and isinstance(e.get("step"), int):
+            lo, hi = steps.get(e["gen"], (e["step"], e["step"]))
+            steps[e["gen"]] = (min(lo, e["step"]), max(hi, e["step"]))
+
+    def passed(step: int, gen: int, collective: bool) -> bool:
+        # Point S is marked with step S's record (a collective of step S: before step S + 1's); a
+        # generation that resumed past it never passed it.
+        lo, hi = steps.get(gen, (0, -1))
+        return lo <= step + collective <= hi
+    return [i for i in entries if i.point in ("step", "collective") and i.step is not None
+            and (i.gen, i.rank) in present and passed(i.step, i.gen, i.point == "collective")]
 
 
 def _ended_by_a_stop(outcome: dict | None, fate: dict | None, since: float | None) -> bool:
@@ -308,8 +331,13 @@ def report(summary: Summary, run_dir: Path, notes: list[str]) -> None:
         who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
         print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
     for entry in summary.never_fired:
-        print(f"[launch] warning: injection {entry} never fired (that rank, step or point was not reached)",
-              flush=True)
+        if entry in summary.reached:
+            print(f"[launch] error: injection {entry} never fired although the loop passed that step with that rank: "
+                  "its step points do not reach it (mark steps with state.record_step or world.fault_point at "
+                  "the optimizer step; --allow-unfired to accept it)", flush=True)
+        else:
+            print(f"[launch] warning: injection {entry} never fired (that rank, step or point was not reached)",
+                  flush=True)
     for note in notes:
         print(f"[launch] {note}", flush=True)
     if summary.finished:

@@ -217,6 +217,9 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
         notes.append(f"stopped by {signal.Signals(got[0]).name}")
     else:
         rc = 0 if summary.finished else 1
+    if rc == 0 and summary.reached and not plan.allow_unfired:  # a test that tested nothing must not pass
+        rc = 1
+        notes.append(f"{len(summary.reached)} injection(s) reached but never fired: exit 1 (--allow-unfired: 0)")
     if done.hidden:
         notes.append(f"({done.hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
                      "by a failure, expected)")
