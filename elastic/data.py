@@ -46,14 +46,21 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         global_batch: samples per step over all ranks, kept after a shrink.
         step: gives the step to start from when iteration begins (``lambda: state.step``).
         seed: the permutations' seed; the same on every rank.
+        accumulation: micro-batches per optimizer step: this rank's share of each global batch
+            comes as that many pieces in a row (the loop steps the optimizer after each
+            ``accumulation``-th, ``no_sync`` for the others). Steps, the State's step and the fault
+            schedule's ``R@S`` all count optimizer steps.
     """
 
     def __init__(self, world: Group, num_samples: int, global_batch: int, *, step: Callable[[], int],
-                 seed: int = 0) -> None:
+                 seed: int = 0, accumulation: int = 1) -> None:
         if not 0 < global_batch <= num_samples:
             raise ConfigError(f"global_batch={global_batch} with {num_samples} samples: "
                               "need 0 < global_batch <= samples")
+        if accumulation < 1:
+            raise ConfigError(f"accumulation={accumulation}: give the micro-batches per optimizer step, >= 1")
         self.world, self.num_samples, self.global_batch, self.seed = world, num_samples, global_batch, seed
+        self.accumulation = accumulation
         self.steps_per_epoch = num_samples // global_batch
         self._step = step
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation), drawn once
@@ -86,10 +93,13 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         end = (self.epoch_of(start)[0] + 1) * self.steps_per_epoch
         for step in range(start, end):
             # The fault schedule's R@step, for a loop that marks no steps itself (with prefetching
-            # workers the sampler runs ahead of the loop, and so does this point).
+            # workers the sampler runs ahead of the loop, and so does this point): once per step,
+            # at its first micro-batch, so an injection counts optimizer steps as the program does.
             self.world.fault_point(step, implied=True)
-            yield self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
+            share = self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
+            for part in np.array_split(np.asarray(share, dtype=np.int64), self.accumulation):
+                yield part.tolist()
 
     def __len__(self) -> int:
-        """The steps left in the current epoch."""
-        return self.steps_per_epoch - self.epoch_of(self._step())[1]
+        """The batches left in the current epoch (micro-batches, with accumulation)."""
+        return (self.steps_per_epoch - self.epoch_of(self._step())[1]) * self.accumulation

@@ -101,7 +101,10 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "resume": 1e3 * (first_after["t"] - restored_t) if first_after else None,
             "down": 1e3 * (first_after["t"] - start) if first_after else None,
             "redone": max(last_before - (first_after["step"] - 1), 0) if first_after else None,
-            "bytes": sum(e["bytes_moved"] for e in restored) if restored else None,
+            # The store's bytes (each rank's) and the shared values copied to replacements (told
+            # alike by every rank: once).
+            "bytes": sum(e["bytes_moved"] for e in restored) + max(
+                (e["bytes"] for e in of if e["event"] == "shared_copied"), default=0) if restored else None,
             "causes": rebuilt[0].get("causes", []),
             "size": rebuilt[0]["size"],
             "t_failure": start,

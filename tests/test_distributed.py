@@ -48,6 +48,10 @@ def test_a_kill_inside_ddps_all_reduce_with_a_spare_is_bitwise(tmp_path, referen
     kept = {e["logical"]: e["kept"] for e in job.of("process_group") if e["generation"] == 1}
     assert kept == {0: True, 1: False, 2: True, 3: True}
     assert {e["backend"] for e in job.of("process_group")} == {"ulfm"}
+    # The report counts what the recovery moved: the model and optimizer the spare got from the survivors
+    (row,) = timeline(job.events)
+    (copied,) = {e["bytes"] for e in job.of("shared_copied")}
+    assert copied > 0 and row["bytes"] >= copied
 
 
 @pytest.mark.fault

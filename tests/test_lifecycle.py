@@ -184,6 +184,17 @@ def test_a_standard_torch_loop_is_bitwise_after_a_kill_in_its_all_reduce(tmp_pat
     assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 12)]
 
 
+def test_under_accumulation_an_injection_fires_at_the_optimizer_step_it_names_bitwise(tmp_path, reference):
+    """Two micro-batches a step from the sampler: 1@12 kills logical rank 1 when the loop is at
+    optimizer step 12 (not micro-batch 12), and the spare makes the run bitwise the failure-free one."""
+    program = STANDARD + ("--accumulation", "2")
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12", program=program)
+    assert_bitwise(job, reference(program), "optimizer_sha256")
+    (killed,) = [o for o in job.outcomes if o["status"] == "injected-kill"]
+    assert killed["logical"] == 1 and killed["step"] == 12
+    assert max(e["step"] for e in job.of("step") if e["gen"] == 0) == 12
+
+
 def test_a_schedule_that_no_point_of_the_program_can_fire_stops_the_job(tmp_path):
     job = launch(tmp_path, 4, "--inject", "1@3", program=("tests/programs/no_points.py",))
     assert job.rc == 1, job.output

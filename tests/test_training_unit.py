@@ -274,6 +274,26 @@ def test_sampler_resumes_mid_epoch_after_a_roll_back_and_reshards_after_a_shrink
         assert sum((before[r][step] for r in range(4)), []) == _sampler(0, 1).batch(step).tolist()
 
 
+def test_with_accumulation_the_sampler_cuts_each_step_and_its_fault_point_counts_optimizer_steps():
+    """accumulation=2: each step's share in two micro-batches in a row, the same samples as without;
+    the step's fault point once, at its first micro-batch: 1@2 fires at the fifth micro-batch."""
+    from elastic.data import GlobalBatchSampler
+    plain = _sampler(1, 3)
+    micro = GlobalBatchSampler(SimJob(3).rank(1), 50, 8, step=lambda: 0, seed=4, accumulation=2)
+    pieces = list(micro)
+    assert len(pieces) == len(micro) == 2 * len(plain) == 12
+    assert [pieces[2 * i] + pieces[2 * i + 1] for i in range(6)] == list(plain)
+    armed = GlobalBatchSampler(SimJob(3, inject="1@2:raise").rank(1), 50, 8, step=lambda: 0, seed=4,
+                               accumulation=2)
+    drawn = []
+    with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
+        for piece in armed:
+            drawn.append(piece)
+    assert drawn == pieces[:4]  # steps 0 and 1, two pieces each: the fault is at step 2's first
+    with pytest.raises(elastic.ConfigError, match="accumulation=0"):
+        GlobalBatchSampler(SimJob(1).rank(0), 50, 8, step=lambda: 0, accumulation=0)
+
+
 def test_sampler_feeds_a_dataloader():
     dataset = torch.utils.data.TensorDataset(torch.arange(50))
     sampler = _sampler(1, 3, step=2)

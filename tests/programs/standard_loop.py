@@ -6,9 +6,13 @@ from torch's global generator), dropout, and gradients zeroed *after* ``optimize
 a kill with a spare the model and optimizer must be bitwise the failure-free run's.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@c12 -- python tests/programs/standard_loop.py
+
+``--accumulation K``: each step's share in K micro-batches from the sampler, the gradients summed
+over them before the one all-reduce of the step; steps and injections count optimizer steps.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,6 +30,9 @@ STEPS, BATCH = 40, 32
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accumulation", type=int, default=1)
+    accumulation = parser.parse_args().accumulation
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 16, generator=gen)
@@ -38,21 +45,26 @@ def main() -> int:
     world = elastic.init()
     torch.manual_seed(100 + int(world.logical_rank))  # dropout differs per rank (restored per rank)
     state = elastic.TorchState(world, model=model, optimizer=optimizer, step=0)
-    sampler = elastic.data.GlobalBatchSampler(world, len(dataset), BATCH, step=lambda: state.step)
+    sampler = elastic.data.GlobalBatchSampler(world, len(dataset), BATCH, step=lambda: state.step,
+                                              accumulation=accumulation)
     loader = DataLoader(dataset, batch_sampler=sampler)
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
         loss = float("nan")
         while state.step < STEPS:
-            for xb, yb in loader:
+            summed = 0.0
+            for i, (xb, yb) in enumerate(loader):  # a new iterator starts at a step's first micro-batch
                 share = torch.nn.functional.mse_loss(model(xb), yb, reduction="sum") / BATCH
                 share.backward()
+                summed += float(share)
+                if (i + 1) % accumulation:
+                    continue
                 elastic.allreduce_gradients(world, model)
                 optimizer.step()
                 optimizer.zero_grad()  # after the step, as many loops do
                 state.step += 1
-                tally = np.array([float(share)])
+                tally, summed = np.array([summed]), 0.0
                 world.allreduce([tally])
                 loss = float(tally[0])
                 state.record_step(state.step, loss, total=STEPS)
