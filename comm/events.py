@@ -58,6 +58,7 @@ EVENTS: dict[str, str] = {
     "rolled_back": "every rank went back to the last good version after a non-finite value (step dropped or not)",
     "straggler": "a rank slower than the median for steps in a row: by how much, evicted or not",
     "bitflip": "an injected corruption flipped a bit of this rank's value",
+    "local_loss": "record_step got losses that differ across ranks (each rank's own, not the job's): said once",
 }
 
 # The phases a rebuild times (``rebuilt``'s ``durations``, and ``total``): the report sums them by these names.

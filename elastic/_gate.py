@@ -39,12 +39,16 @@ class Gate:
         self._seen: tuple[int, str] | None = None  # the first step since the last commit not finite
         self.dropped: set[int] = set()             # steps dropped for it (OnNonFinite.SKIP)
         self._rollbacks: list[int | None] = []     # roll-backs since the last commit
+        self._loss: float | None = None            # the last finite loss record_step got
+        self._told_local = False                   # a rank-local loss was said once
 
     def saw(self, step: int, loss: float | None, grad_norm: float | None) -> None:
         """A step's loss and gradient norm (local): the first non-finite one is kept for the gate."""
         for what, value in (("loss", loss), ("grad_norm", grad_norm)):
             if value is not None and self._seen is None and not math.isfinite(value):
                 self._seen = (step, what)
+        if loss is not None and math.isfinite(loss):
+            self._loss = float(loss)
 
     def forget(self) -> None:
         """The steps it saw were undone (a restore)."""
@@ -67,8 +71,9 @@ class Gate:
         values = {n: a for n, a in capture.arrays.items() if n != INDEX}
         share = my_share(values, list(sums), int(world.rank), world.size)
         document = {"digest": digest(sums), "seen": list(self._seen) if self._seen else None,
-                    "values": nonfinite_values(share)}
+                    "values": nonfinite_values(share), "loss": self._loss}
         everyone = world.allgather(document)
+        self._local_loss([d.get("loss") for d in everyone])
         if any(d["digest"] != everyone[0]["digest"] for d in everyone):  # rare: which values, on whom
             everyone = [{**d, "sums": s} for d, s in zip(everyone, world.allgather(sums))]
         ranks = [int(r) for r in world.logical_ranks]
@@ -85,6 +90,19 @@ class Gate:
             self._fence(found.fenced, found.differ, len(ranks), version)
         world.events.emit("integrity", verdict="no_majority", version=version, values=list(found.no_majority))
         raise agreed(_no_majority(found.no_majority, everyone, ranks), final=False)
+
+    def _local_loss(self, losses: list[float | None]) -> None:
+        """Say once (every rank alike) that ``record_step`` got a loss that differs across ranks: an
+        all-reduced loss is the same bits everywhere, so this is each rank's own share, and the
+        steps, the report and a shrink's comparison read rank 0's alone."""
+        told = [x for x in losses if x is not None]
+        if self._told_local or len(told) < 2 or len(set(told)) == 1:
+            return
+        self._told_local = True
+        self._world.events.emit("local_loss", losses=told)
+        _LOG.warning("[integrity] record_step got a loss that differs across ranks (%s ...): the job's steps, "
+                     "progress lines and report show rank 0's own. Pass the global loss: all-reduce the "
+                     "ranks' shares first (world.allreduce), as examples/train.py does", told[:4])
 
     def _refuse_nonfinite(self, step: int | None, what: str, values: tuple[str, ...], version: int) -> None:
         said = f"a non-finite {what} at step {step}" if step is not None else \

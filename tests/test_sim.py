@@ -293,6 +293,33 @@ def test_an_injected_bit_flip_in_a_simulated_rank_is_fenced_as_in_a_real_one(ref
     assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [2])]
 
 
+def test_a_rank_local_loss_given_to_record_step_is_said_once_an_all_reduced_one_never():
+    def main(local: bool):
+        def program(world):
+            state = elastic.State(world, w=np.zeros(2), step=0)
+
+            @elastic.run
+            def train(world, state):
+                while state.step < 6:
+                    loss = np.array([float(world.logical_rank + 1) * (state.step + 1)])
+                    if not local:
+                        world.allreduce([loss])
+                    state.step += 1
+                    state.record_step(state.step, float(loss[0]))
+                    if state.step % 2 == 0:
+                        state.commit()
+            return train(world, state)
+        return program
+
+    job = SimJob(3)
+    job.run(main(local=True))
+    told = job.of("local_loss")
+    assert sorted(e["logical"] for e in told) == [0, 1, 2] and told[0]["losses"] == [2.0, 4.0, 6.0]
+    quiet = SimJob(3)
+    quiet.run(main(local=False))
+    assert not quiet.of("local_loss")
+
+
 def test_the_fill_rule_is_one_function_for_the_real_and_the_simulated_rebuild():
     """Spares first (as many as are parked, lowest logical rank first), then a spawn or a shrink
     takes the rest; a mode with nothing left, or unknown, is skipped."""
