@@ -30,6 +30,7 @@ from mpi4py import MPI
 from . import _collectives, _spares
 from ._config import Config
 from ._group import Settings, first_survivor
+from ._halo import HaloComm
 from ._errors import ConfigError, ElasticError, ProcessFailure, Unrecoverable, agreed, mpi_errors, translate
 from .events import EventLog
 from .faults import QUIET_ACTIONS, FaultInjector, Injection
@@ -490,11 +491,17 @@ class WorldMpi:
 
     def __init__(self, world: World) -> None:
         self._world = world
+        self._halo: tuple[MPI.Intracomm, MPI.Intracomm] | None = None  # (this generation's, as HaloComm)
 
     @property
     def comm(self) -> MPI.Intracomm:
-        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare)."""
-        return self._world._comm
+        """The active ranks of this generation, by logical rank (COMM_NULL on a parked spare), as a
+        ``HaloComm``: mpi4py's communicator whose ``Sendrecv`` / ``sendrecv`` a peer's failure
+        ends cleanly (Open MPI's blocking one has crashed survivors)."""
+        comm = self._world._comm
+        if self._halo is None or self._halo[0] is not comm:
+            self._halo = (comm, HaloComm(comm) if comm != MPI.COMM_NULL else comm)
+        return self._halo[1]
 
     @property
     def universe(self) -> MPI.Intracomm:

@@ -36,3 +36,17 @@ def test_a_short_seeded_external_campaign_has_no_hang_no_wrong_result_and_no_lef
     totals = dict(zip(header.split(" | "), values.split(" | ")))
     assert totals["runs"] == str(PUNISH_RUNS) and totals["hang"] == "0" and totals["wrong"] == "0", proc.stdout
     assert int(totals["correct"]) + int(totals["clean stop"]) >= PUNISH_RUNS // 2, proc.stdout  # most signals hit
+
+
+HALO_RUNS, HALO_SEED = 4, 12
+
+
+@pytest.mark.timeout(HALO_RUNS * 120 + 120)
+def test_a_halo_written_with_sendrecv_survives_neighbours_killed_at_random_steps():
+    """``world.mpi.comm.Sendrecv`` posts the pair non-blocking: a neighbour killed while its peers
+    are in the exchange ends theirs with a ProcessFailure (Open MPI's blocking Sendrecv has crashed
+    survivors), and each run is bitwise the failure-free rod (scripts/halo_campaign.py, longer)."""
+    proc = subprocess.run([sys.executable, "scripts/halo_campaign.py", "--runs", str(HALO_RUNS), "--seed",
+                           str(HALO_SEED)], cwd=ROOT, capture_output=True, text=True, timeout=HALO_RUNS * 120 + 100)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"{HALO_RUNS} runs: {HALO_RUNS} correct, 0 crashes, 0 hangs, 0 wrong"
