@@ -76,7 +76,8 @@ class Config:
         inject: the fault schedule (``elastic.comm`` fault injection).
         domains: failure domain of each logical rank (round robin), instead of the hosts.
         hang_timeout: seconds without a heartbeat before the sentinel kills a rank (0: never).
-        progress_timeout: seconds without progress before the sentinel kills a rank (0: never).
+        progress_timeout: seconds without progress before the sentinel kills a rank (0: never;
+            None, the default: derived from the job's own steps, ``_sentinel.auto_bound``).
         term_grace: seconds a rank gets to leave after SIGTERM before its sentinel kills it.
         require_ulfm: refuse to start without ULFM (0: skip the check; the job then cannot
             survive a failure; None, the default: required, except in a single process started
@@ -99,7 +100,7 @@ class Config:
     inject: tuple[Injection, ...] = ()
     domains: tuple[str, ...] = ()
     hang_timeout: float = 10.0
-    progress_timeout: float = 0.0
+    progress_timeout: float | None = None
     term_grace: float = 5.0
     require_ulfm: bool | None = None
     log_level: str = "INFO"
@@ -163,10 +164,11 @@ ROWS = (
     Setting("hang_timeout", "ELASTIC_HANG_TIMEOUT", float, "takes seconds >= 0 (0 turns it off)", _at_least(0),
             "--hang-timeout", "seconds without a heartbeat before a rank counts as hung and is killed (the "
             "heartbeat needs no MPI call from your code; 0 = off)"),
-    Setting("progress_timeout", "ELASTIC_PROGRESS_TIMEOUT", float, "takes seconds >= 0 (0 turns it off)",
-            _at_least(0), "--progress-timeout", "seconds an active rank may go without progress (a step, a "
-            "commit) before it is killed: catches deadlocks and stuck reads (0 = off; set it above your longest "
-            "step)"),
+    Setting("progress_timeout", "ELASTIC_PROGRESS_TIMEOUT", _none_or(float),
+            "takes seconds >= 0 (0 turns it off; unset: from the job's own steps)", lambda v: v is None or v >= 0,
+            "--progress-timeout", "seconds an active rank may go without progress (a step, a commit) before it is "
+            "killed: catches deadlocks and stuck reads (0 = off; unset: 20 x the slowest step seen, at least "
+            "120 s, once 3 steps were seen)"),
     Setting("term_grace", "ELASTIC_TERM_GRACE", float, "takes seconds >= 0", _at_least(0)),
     Setting("require_ulfm", "ELASTIC_REQUIRE_ULFM", _none_or(_flag), "give 1 or 0"),
     Setting("log_level", "ELASTIC_LOG_LEVEL", lambda t: t.strip().upper(), f"give one of {', '.join(LOG_LEVELS)}",

@@ -13,8 +13,9 @@ sentinel watches the program (through a page of shared memory, see
 * exits without having announced it (``os._exit(3)``, a native ``exit()``, a
   signal), or
 * stops beating for ``hang_timeout`` seconds (SIGSTOP, a frozen process), or
-  makes no progress for ``progress_timeout`` seconds (twice that while it
-  waits in MPI for its peers), or misses a deadline it asked for,
+  makes no progress for ``progress_timeout`` seconds (by default 20 times its
+  slowest step, at least 120 s; twice that while it waits in MPI for its
+  peers), or misses a deadline it asked for,
 
 kills what is left of it and then itself with SIGKILL: the survivors see a
 failure within milliseconds and recover. The program's end wakes the sentinel
@@ -54,6 +55,10 @@ from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, STOPPED_SENTINEL_SECON
 
 EXIT_GRACE = 30.0        # after an announced exit: MPI_Finalize may hang after failures (ompi #11404)
 POLL_SECONDS = 0.1
+# With no progress timeout given, a rank that makes no progress for AUTO_FACTOR x the slowest step it
+# made (never less than AUTO_FLOOR s, and only once AUTO_STEPS steps were seen) is stalled: no hang
+# is without a bound by default. ``--progress-timeout 0`` turns it off, a value sets it.
+AUTO_FACTOR, AUTO_FLOOR, AUTO_STEPS = 20.0, 120.0, 3
 DUMP_SECONDS = 1.0       # time given to a stuck process to print its traceback (SIGUSR1) before the kill
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
@@ -74,6 +79,8 @@ class Sentinel:
         self.seen: dict[str, int | None] = self.page.read()
         self.last_beat: float | None = None      # liveness is armed by the first heartbeat
         self.last_progress = time.monotonic()
+        self.slowest = 0.0                       # the longest the program went between two steps, armed
+        self.steps_seen = 0
         self.announced_at: float | None = None
         self.signalled: int | None = None
         self.signalled_at = 0.0
@@ -122,6 +129,8 @@ class Sentinel:
             if page["beat"] != self.seen["beat"]:
                 self.last_beat = now
             if page["progress"] != self.seen["progress"]:
+                if page["armed"] and self.seen["armed"]:  # a parked spare's wait, or a restart, is no step
+                    self.slowest, self.steps_seen = max(self.slowest, now - self.last_progress), self.steps_seen + 1
                 self.last_progress = now
             if page["exit"] is not None and self.announced_at is None:
                 self.announced_at = now
@@ -140,12 +149,18 @@ class Sentinel:
         if self.hang_timeout and self.last_beat is not None and now - self.last_beat > self.hang_timeout:
             return "hung"
         # A rank waiting in MPI for a stuck peer gets twice as long: the stuck one dies first.
-        bound = self.progress_timeout * (2 if page["waiting"] else 1)
-        if self.progress_timeout and page["armed"] and now - self.last_progress > bound:
+        timeout = self.progress_bound()
+        if timeout and page["armed"] and now - self.last_progress > timeout * (2 if page["waiting"] else 1):
             return "no-progress"
         if page["deadline"] is not None and time.monotonic_ns() > page["deadline"]:
             return "deadline"
         return None
+
+    def progress_bound(self) -> float:
+        """The progress timeout in force: the one given, else ``auto_bound`` of the steps seen (0: none)."""
+        if self.progress_timeout is not None:
+            return self.progress_timeout
+        return auto_bound(self.slowest, self.steps_seen)
 
     def _forward(self, sig: int, _frame: Any) -> None:
         if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) and self.signalled is None:
@@ -165,7 +180,7 @@ class Sentinel:
                 pass
         self.child.kill()
         code = self.child.wait()
-        seconds = {"hung": self.hang_timeout, "no-progress": self.progress_timeout}.get(verdict)
+        seconds = {"hung": self.hang_timeout, "no-progress": self.progress_bound()}.get(verdict)
         self._write_fate(verdict, code=code, seconds=seconds)
         announced = self.page.read()["exit"]
         if verdict == "stuck-exiting" and announced is not None:
@@ -205,6 +220,13 @@ class Sentinel:
             tmp.replace(path)
         except OSError as exc:
             sys.stderr.write(f"[sentinel] could not record the end of pid {pid}: {exc}\n")
+
+
+def auto_bound(slowest: float, steps: int) -> float:
+    """The default progress timeout: ``AUTO_FACTOR`` x the slowest step seen, at least ``AUTO_FLOOR``
+    seconds, once ``AUTO_STEPS`` steps were seen (0 before: a job's start, its imports and its first
+    compilation are no steps)."""
+    return max(AUTO_FLOOR, AUTO_FACTOR * slowest) if steps >= AUTO_STEPS else 0.0
 
 
 def _end_of(child: Any) -> Callable[[float], bool]:

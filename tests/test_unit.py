@@ -210,6 +210,22 @@ def test_the_sentinel_learns_of_its_childs_end_from_the_kernel_not_from_its_next
     assert child.wait(5) == 0
 
 
+def test_with_no_progress_timeout_given_a_stall_is_bounded_by_the_jobs_own_steps():
+    """The default progress bound: 20 x the slowest step seen, at least 120 s, once 3 steps were
+    seen (none before: the start is no step); 0 turns it off, a value sets it."""
+    from elastic.comm import _sentinel
+    assert Config().progress_timeout is None
+    assert Config.from_env({"ELASTIC_PROGRESS_TIMEOUT": "0"}).progress_timeout == 0.0
+    assert Config.from_env({"ELASTIC_PROGRESS_TIMEOUT": ""}).progress_timeout is None
+    assert _sentinel.auto_bound(0.5, 2) == 0.0
+    assert _sentinel.auto_bound(0.5, 3) == 120.0 and _sentinel.auto_bound(9.0, 40) == 180.0
+    watch = _sentinel.Sentinel(["true"], Config())
+    watch.slowest, watch.steps_seen = 2.0, 5
+    assert watch.progress_bound() == 120.0
+    assert _sentinel.Sentinel(["true"], Config(progress_timeout=0.0)).progress_bound() == 0.0
+    assert _sentinel.Sentinel(["true"], Config(progress_timeout=7.0)).progress_bound() == 7.0
+
+
 def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
     assert launch.slurm_slots("2(x3),1", ["a", "b", "c", "d"]) == [("a", 2), ("b", 2), ("c", 2), ("d", 1)]
     with pytest.raises(SystemExit, match="does not match"):
