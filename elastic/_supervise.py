@@ -286,13 +286,14 @@ def unfired_but_reached(entries: list[Injection], events: list[dict]) -> list[In
             lo, hi = steps.get(e["gen"], (e["step"], e["step"]))
             steps[e["gen"]] = (min(lo, e["step"]), max(hi, e["step"]))
 
-    def passed(step: int, gen: int, collective: bool) -> bool:
-        # Point S is marked with step S's record (a collective of step S: before step S + 1's); a
-        # generation that resumed past it never passed it.
+    def passed(step: int, gen: int) -> bool:
+        # Point S is marked at step S's record or at the top of the step after it, and a collective
+        # of step S inside that step: the generation recorded step S and step S + 1. (A rank evicted
+        # at step S's record, or a generation that resumed past S, never passed it.)
         lo, hi = steps.get(gen, (0, -1))
-        return lo <= step + collective <= hi
+        return lo <= step and step + 1 <= hi
     return [i for i in entries if i.point in ("step", "collective") and i.step is not None
-            and (i.gen, i.rank) in present and passed(i.step, i.gen, i.point == "collective")]
+            and (i.gen, i.rank) in present and passed(i.step, i.gen)]
 
 
 def _ended_by_a_stop(outcome: dict | None, fate: dict | None, since: float | None) -> bool:

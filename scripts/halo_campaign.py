@@ -31,18 +31,21 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bound", type=float, default=90.0, help="seconds one job may take before it is a hang")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--blocking", action="store_true",
+                        help="the control: Open MPI's blocking Sendrecv, as programs had it before HaloComm")
     args = parser.parse_args()
+    program = PROGRAM + (("--blocking",) if args.blocking else ())
     rng = random.Random(args.seed)
     totals = {"correct": 0, "crash": 0, "hang": 0, "wrong": 0}
     with tempfile.TemporaryDirectory(prefix="elastic-halo-") as tmp:
-        reference = launch(PROGRAM, RANKS, Path(tmp) / "reference", timeout=args.bound, cwd=ROOT)
+        reference = launch(program, RANKS, Path(tmp) / "reference", timeout=args.bound, cwd=ROOT)
         if reference.rc != 0:
             print(reference.output[-3000:])
             return 1
         expected = reference.result["rod_sha256"]
         for run in range(args.runs):
             rank, step = rng.randrange(RANKS), rng.randrange(2, 36)
-            job = launch(PROGRAM, RANKS, Path(tmp) / f"run-{run}", ("--spares", "1", "--inject", f"{rank}@{step}"),
+            job = launch(program, RANKS, Path(tmp) / f"run-{run}", ("--spares", "1", "--inject", f"{rank}@{step}"),
                          timeout=args.bound, cwd=ROOT)
             deaths = [o for o in job.outcomes if o["status"] == "failed"] + \
                 [f for f in job.fates if f["end"] not in ("exited",) and f["pid"] not in

@@ -118,17 +118,18 @@ def test_a_stopped_job_lists_its_processes_as_stopped_on_request(tmp_path):
 
 def test_an_injection_the_loop_passed_without_firing_is_told_apart_from_one_never_reached():
     """1@c40 in a job that reached step 41 with logical rank 1 there: its step points missed it (the
-    job fails, unless --allow-unfired); 2@1000 was never reached, 3@5/g1 had no generation 1, 1@20/g1
-    targets a rank a shrink removed: warnings only."""
+    job fails, unless --allow-unfired); 2@1000 was never reached, 3@5/g1's generation resumed past
+    step 5, 1@20/g1 targets a rank a shrink removed, 0@41's generation ended at its record: warnings."""
     from elastic._supervise import unfired_but_reached
     from elastic.comm.faults import parse_schedule
     events = [{"event": "started", "gen": 0, "logical": r} for r in range(4)]
     events += [{"event": "step", "gen": 0, "logical": 0, "step": s} for s in range(1, 42)]
     events += [{"event": "rebuilt", "gen": 1, "logical": r} for r in (0, 2, 3)]  # logical 1 shrunk away
     events += [{"event": "step", "gen": 1, "logical": 0, "step": s} for s in range(30, 60)]
-    entries = list(parse_schedule("1@c40,2@1000,3@5/g1,1@20/g1,2@c41"))
+    entries = list(parse_schedule("1@c40,2@1000,3@5/g1,1@20/g1,2@c41,0@41"))
     assert [i.to_dict() for i in unfired_but_reached(entries, events)] == [
         {"rank": 1, "step": 40, "point": "collective", "action": "kill", "gen": 0}]
+    # 0@41: step 41 recorded, then the generation ended (a straggler evicted at that record, say)
 
 
 def test_the_sentinels_of_ranks_that_said_their_end_are_known_to_the_launcher(tmp_path):

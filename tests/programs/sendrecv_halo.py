@@ -11,6 +11,7 @@ crash inside Open MPI, never a hang; the rod is then bitwise the failure-free ru
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import sys
 
@@ -24,7 +25,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--cells", type=int, default=2048)
+    parser.add_argument("--blocking", action="store_true",
+                        help="call Open MPI's blocking Sendrecv (mpi4py's own), as without HaloComm: the control")
     args = parser.parse_args()
+    sendrecv = MPI.Intracomm.Sendrecv if args.blocking else None
     world = elastic.init()
     me, n = int(world.logical_rank), world.job.initial_size
     x = (np.arange(args.cells) + me * args.cells) / (n * args.cells)
@@ -38,11 +42,12 @@ def main() -> int:
             right = r + 1 if r < world.size - 1 else MPI.PROC_NULL
             u = state.slab
             halo = np.zeros(2)
+            exchange = comm.Sendrecv if sendrecv is None else functools.partial(sendrecv, comm)
             with world.mpi.guard():
-                comm.Sendrecv(np.ascontiguousarray(u[-1:]), dest=right, sendtag=1, recvbuf=halo[0:1], source=left,
-                              recvtag=1)
-                comm.Sendrecv(np.ascontiguousarray(u[:1]), dest=left, sendtag=2, recvbuf=halo[1:2], source=right,
-                              recvtag=2)
+                exchange(np.ascontiguousarray(u[-1:]), dest=right, sendtag=1, recvbuf=halo[0:1], source=left,
+                         recvtag=1)
+                exchange(np.ascontiguousarray(u[:1]), dest=left, sendtag=2, recvbuf=halo[1:2], source=right,
+                         recvtag=2)
             padded = np.concatenate(([halo[0]], u, [halo[1]]))
             state.slab = u + 0.25 * (padded[:-2] - 2 * u + padded[2:])
             state.step += 1
