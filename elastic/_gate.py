@@ -63,7 +63,8 @@ class Gate:
         Every rank reads the same documents to the same ``Verdict``: a NaN / Inf raises ``NonFinite``
         everywhere (``elastic.run`` rolls back); ranks whose shared values differ from a strict
         majority's are fenced (they fail, the others recover and roll back, a replacement gets the
-        majority's values); with no majority, ``CommitRejected`` everywhere.
+        majority's values); with no majority, ``CommitRejected`` everywhere; a value whose name,
+        dtype or shape differs, a ``ConfigError`` everywhere (the program's error: nobody fenced).
         Cost: the fingerprints and the non-finite scan of this rank's share: its own values, and
         1/size of those every rank holds alike (``my_share``)."""
         world = self._world
