@@ -24,9 +24,10 @@ class StepClock:
     the last step.
     """
 
-    def __init__(self, world: Group) -> None:
+    def __init__(self, world: Group, settings: Training | None = None) -> None:
         self._world = world
-        self._every, self._seconds = (lambda t: (t.progress_every, t.progress_seconds))(Training.of(world))
+        settings = Training.of(world) if settings is None else settings  # (a State passes the ones it read)
+        self._every, self._seconds = settings.progress_every, settings.progress_seconds
         self._last: float | None = None
         self._waited = 0.0  # the world's waiting at the last step's end
         self._shown = time.monotonic()

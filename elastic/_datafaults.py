@@ -13,7 +13,7 @@ import numpy as np
 
 from elastic.comm import Group
 
-from ._capture import INDEX, is_local
+from ._capture import is_local
 from ._handlers import Handler
 
 
@@ -35,7 +35,7 @@ class DataFaults:
         """One bit of this rank's first shared floating array (a model's, where there is one)."""
         for name in sorted(handlers):
             handler = handlers[name]
-            if is_local(name, local) or name == INDEX:
+            if is_local(name, local):  # the index is local too
                 continue
             arrays = {k: np.array(a) for k, a in handler.capture(name).items()}
             floating = [k for k in sorted(arrays) if np.issubdtype(arrays[k].dtype, np.floating) and arrays[k].ndim]

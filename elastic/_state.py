@@ -73,7 +73,7 @@ class State:
         self._local = frozenset(local) | {INDEX}
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self._public: set[str] = set()            # the program's: state[name], names()
-        self._clock = StepClock(world)
+        self._clock = StepClock(world, settings)
         self._gate = Gate(world, settings.max_failures)
         self._stragglers = straggler_watch(world, settings)
         self._data_faults = data_faults(world)

@@ -201,9 +201,11 @@ def _relaunch_reason(rebuilt: dict) -> str:
         (f", logical ranks {'; '.join(moved)}" if moved else "")
 
 
-# The recovery's spans: (an event, the event that opens its span on the same process, the span's name)
-_RECOVERY_SPANS = {"agreed": ("failure_seen", "agree"), "rebuilt": ("agreed", "rebuild"),
-                   "state_restored": ("rebuilt", "restore"), "resumed": ("state_restored", "resume")}
+# The recovery's spans: an event -> (the event that opens its span on the same process, the span's
+# name, the event's fields the span shows)
+_RECOVERY_SPANS = {"agreed": ("failure_seen", "agree", ("failed",)), "rebuilt": ("agreed", "rebuild", ("mode", "size")),
+                   "state_restored": ("rebuilt", "restore", ("bytes_moved",)),
+                   "resumed": ("state_restored", "resume", ())}
 _INSTANTS = ("inject", "failure_seen", "started", "finished", "promoted", "spawned", "data_lost", "released")
 
 
@@ -226,9 +228,9 @@ def trace(events: list[dict]) -> dict[str, Any]:
         elif kind == "committed":
             _commit_spans(span, e)
         elif kind in _RECOVERY_SPANS:
-            opener, name = _RECOVERY_SPANS[kind]
+            opener, name, shown = _RECOVERY_SPANS[kind]
             if (pid, opener) in last or kind == "rebuilt":
-                span(e, name, last.get((pid, opener), t), t, "recovery", **_SPAN_ARGS[kind](e))
+                span(e, name, last.get((pid, opener), t), t, "recovery", **{k: e.get(k) for k in shown})
         elif kind == "failure_seen":
             kills = [x["t"] for x in events if x["event"] == "inject" and x.get("gen") == e.get("gen") and x["t"] <= t]
             span(e, "detect", max(kills) if kills else t, t, "recovery")
@@ -239,14 +241,6 @@ def trace(events: list[dict]) -> dict[str, Any]:
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
             for pid, name in sorted(names.items())]
     return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
-
-
-_SPAN_ARGS: dict[str, Callable[[dict], dict[str, Any]]] = {
-    "agreed": lambda e: {"failed": e.get("failed")},
-    "rebuilt": lambda e: {"mode": e.get("mode"), "size": e.get("size")},
-    "state_restored": lambda e: {"bytes_moved": e.get("bytes_moved")},
-    "resumed": lambda e: {},
-}
 
 
 def _span(out: list[dict[str, Any]], t0: float, e: dict, name: str, start: float, end: float, cat: str,
