@@ -4,7 +4,8 @@ A schedule comes from ``ELASTIC_INJECT``: a JSON list (inline or a file path)
 of ``{"rank": 1, "step": 3, "point": "step", "action": "kill", "gen": 0}``, or
 the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
 ``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
-``2@c5:hang`` (hang in the middle of step 5's collective), ``3@rebuild/g0``
+``2@c5:hang`` (hang in the middle of step 5's collective), ``1@u5`` (die inside
+step 5's update, past its per-step recovery point), ``3@rebuild/g0``
 (die in the middle of the first rebuild), ``1@commit4`` (die in the middle
 of the commit of version 4), ``2@restore`` (die while sending recovery data),
 ``0@spawn`` (die while a replacement is being spawned), ``s0@park:hang``
@@ -12,6 +13,8 @@ of the commit of version 4), ``2@restore`` (die while sending recovery data),
 
 Points: ``step`` (``World.fault_point(step)``, called by the user loop),
 ``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started),
+``update`` (``State.step_point`` once the point passed: inside the optimizer step, whose twin or
+store already holds what the step makes),
 ``commit`` / ``restore`` (inside the replicated store's transfers),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
 agreed, before the communicator is rebuilt), ``spawn`` (after ``Spawn``
@@ -50,11 +53,11 @@ from .wire import message
 __all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
+POINTS = ("step", "collective", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
 ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
 QUIET_ACTIONS = DATA_ACTIONS + ("warm",)   # the process goes on: no outcome is written for them
-STEP_POINTS = ("step", "collective", "commit")
+STEP_POINTS = ("step", "collective", "update", "commit")
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
 
@@ -136,6 +139,8 @@ def _parse_compact(item: str) -> Injection:
         return Injection(int(rank_text), int(where[6:]), "commit", action, gen, factor)
     if where.startswith("c"):
         return Injection(int(rank_text), int(where[1:]), "collective", action, gen, factor)
+    if where.startswith("u"):
+        return Injection(int(rank_text), int(where[1:]), "update", action, gen, factor)
     return Injection(int(rank_text), int(where), "step", action, gen, factor)
 
 

@@ -19,18 +19,26 @@ class Capture:
     live values: take a capture, hand it on and drop it within one call.
 
     ``local``: the names (or first dotted parts) of the values that may differ across ranks (the
-    RNG states, a shard, the index); every other value must be equal on every rank."""
+    RNG states, a shard, the index); every other value must be equal on every rank. ``twinned``:
+    those of them this rank's twins hold alike (an optimizer shard; see ``_points.TwinSteps``)."""
 
     arrays: Mapping[str, np.ndarray]
     local: frozenset[str]
+    twinned: frozenset[str] = frozenset()
 
     def is_local(self, name: str) -> bool:
         return is_local(name, self.local)
 
     @property
     def unique(self) -> dict[str, np.ndarray]:
-        """The rank-unique values (the index with them)."""
-        return {name: a for name, a in self.arrays.items() if self.is_local(name)}
+        """The values no other rank holds (the index with them): the local ones but the twinned."""
+        return {name: a for name, a in self.arrays.items()
+                if self.is_local(name) and not is_local(name, self.twinned)}
+
+    @property
+    def twin(self) -> dict[str, np.ndarray]:
+        """The values this rank's twins hold alike."""
+        return {name: a for name, a in self.arrays.items() if is_local(name, self.twinned)}
 
     @property
     def shared(self) -> dict[str, np.ndarray]:

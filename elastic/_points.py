@@ -4,16 +4,19 @@
 kept in each rank's own payload (never sent to a peer), the rank-unique ones replicated.
 ``EveryStep``: every optimizer step (``step_point``, before the update): the rank-unique values
 are replicated at each step, and the shared values' point is the live values themselves.
-``State`` calls the one it was made with and never asks which it is, as the store does its
-``Backing``. Pick one with ``recovery_point``.
+``TwinSteps``: every step too, for sharded state held by twins (ranks that hold the same shard and
+apply the same update to it): only the rank-unique values are replicated, a shard comes back
+from a live twin. ``State`` calls the one it was made with and never asks which it is, as the
+store does its ``Backing``. Pick one with ``recovery_point``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from elastic.comm import ConfigError, Group, agreed
+from elastic.recovery import DataLost, share_within
 
 from ._capture import Capture
 
@@ -48,6 +51,20 @@ class RecoveryPoint(Protocol):
         """Make ``optimizer``'s ``step()`` call ``step_point`` first, where the strategy wants that."""
         ...
 
+    def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
+                    lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
+        """The twinned values to the logical ranks ``lacking`` (replacements) from their live twins
+        (collective); what this rank receives, or None."""
+        ...
+
+
+class Twins(Protocol):
+    """Which ranks hold the same shard (``elastic.Mesh``: the replicas of a stage)."""
+
+    def holders(self, logical: int) -> list[int]:
+        """The logical ranks that hold ``logical``'s shard, itself included."""
+        ...
+
 
 class EveryCommit:
     """The last commit is the recovery point (``State(per_step=False)``, the default)."""
@@ -73,6 +90,10 @@ class EveryCommit:
 
     def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
         pass
+
+    def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
+                    lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
+        return None  # the twinned values are committed with the rest: the store brings them back
 
 
 class EveryStep:
@@ -131,7 +152,44 @@ class EveryStep:
         self._hooked = True
         optimizer.register_step_pre_hook(lambda *_: step_point())
 
+    def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
+                    lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
+        return None  # no twinned values
 
-def recovery_point(world: Group, per_step: bool) -> RecoveryPoint:
-    """The strategy for ``State(per_step=...)``."""
-    return EveryStep(world) if per_step else EveryCommit()
+
+class TwinSteps(EveryStep):
+    """Every optimizer step a recovery point, for sharded state held by twins
+    (``State(per_step=True, twins=...)``): each shard lives on r ranks that receive the same
+    reduced gradient bits and apply the same update (Megatron's partial distributed optimizer,
+    torch's HSDP), so its values, ``twinned``, are never copied at a step point, only the
+    rank-unique ones (the RNG states). A replacement gets its shard from its live twins, bitwise;
+    with none left, ``DataLost`` names the shard on every rank.
+
+    The update of a shard is local work after the point, as ``EveryStep`` asks; the shards' all-gather
+    (the model every rank computes with) belongs at the top of the next step, before its point: a
+    failure inside it finds every survivor past the update already, and the step, redone, gathers again."""
+
+    def __init__(self, world: Group, twins: Twins) -> None:
+        super().__init__(world)
+        self._twins = twins
+
+    def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
+                    lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
+        live = {int(r) for r in world.logical_ranks} - set(lacking)
+        receivers = {r: [h for h in self._twins.holders(r) if h in live] for r in lacking}
+        orphans = sorted(r for r, senders in receivers.items() if not senders)
+        if orphans:  # every rank computed the same table: every one raises alike
+            world.events.emit("data_lost", lost={str(r): [] for r in orphans}, twins=[self._twins.holders(r)
+                                                                                for r in orphans])
+            held = "; ".join(f"logical rank {r}'s shard, held by logical ranks {self._twins.holders(r)}"
+                             for r in orphans)
+            raise agreed(DataLost({r: [] for r in orphans}, f"{held}: every twin died at once and no commit "
+                                  "holds it"))
+        return share_within(world, twin, receivers)
+
+
+def recovery_point(world: Group, per_step: bool, twins: Twins | None = None) -> RecoveryPoint:
+    """The strategy for ``State(per_step=..., twins=...)``."""
+    if not per_step:
+        return EveryCommit()
+    return EveryStep(world) if twins is None else TwinSteps(world, twins)

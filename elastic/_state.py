@@ -32,7 +32,7 @@ from ._datafaults import data_faults
 from ._gate import Gate, fingerprints
 from ._handlers import Handler, Held, adopted, for_value
 from ._integrity import NonFinite, digest
-from ._points import recovery_point
+from ._points import Twins, recovery_point
 from ._settings import OnNonFinite, Training
 from ._stragglers import straggler_watch
 
@@ -58,19 +58,31 @@ class State:
             ``ELASTIC_KEEP_VERSIONS``, 1): when a step is not finite again after the roll-back to
             the last version, every rank goes back one more (a corruption that passed the gate).
             Each costs the memory of one more version.
+        twins, twinned: sharded state held by twins (with ``per_step``): ``twinned`` names the
+            values (or first dotted parts) that this rank's twins, ``twins.holders(rank)`` (an
+            ``elastic.Mesh``: the replicas of a stage), hold alike and update alike every step (an
+            optimizer shard). They are never copied at a step point; a replacement gets them from a
+            live twin (``DataLost`` naming the shard when every twin died at once). Without
+            ``per_step`` they are committed as ``local`` values are.
     """
 
     def __init__(self, world: Recoverable, *, replication: int = 2, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
-                 keep_versions: int | None = None, **values: Any) -> None:
+                 keep_versions: int | None = None, twins: Twins | None = None, twinned: tuple[str, ...] = (),
+                 **values: Any) -> None:
+        if (twins is None) != (not twinned):
+            raise ConfigError("twins= and twinned= go together: twinned names the values a shard's twins hold "
+                              "alike, twins (an elastic.Mesh) says which ranks those are")
         self._world = world
         settings = Training.of(world)
         keep = settings.keep_versions if keep_versions is None else keep_versions
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
-        self._point = recovery_point(world, per_step)
+        self._point = recovery_point(world, per_step, twins)
         self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
+        self._holds_twin = False    # and its twinned values its shard's
         self._adopt = adopt
-        self._local = frozenset(local) | {INDEX}
+        self._twinned = frozenset(twinned)
+        self._local = frozenset(local) | self._twinned | {INDEX}
         self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world, settings)
@@ -143,7 +155,7 @@ class State:
         self._gate.check(capture, self._next_version())
         arrays, unreplicated = self._point.stored(capture)
         self._store.commit(arrays, self._next_version(), unreplicated=unreplicated)  # in the own payload only
-        self._holds_shared = True
+        self._holds_shared = self._holds_twin = True
         self._point.committed()
         self._gate.passed()
 
@@ -165,6 +177,7 @@ class State:
         after it undone on some ranks.
         """
         self._point.step_point(self._capture(), lambda arrays: self._store.commit(arrays, self._next_version()))
+        self._world.fault_point(self._world.job.step, "update")  # the step's update runs from here
 
     def _next_version(self) -> int:
         return 0 if self.version is None else self.version + 1
@@ -181,6 +194,8 @@ class State:
                 self._apply(self._store.restore_owner(owner), adopting=True)
         own = self._store.restore()
         self._apply(own)
+        if any(is_local(name, self._twinned) for name in own):
+            self._holds_twin = True  # committed with the rest (per_step=False)
         self._gate.forget()  # the steps it saw are undone
         if self._point.restores_shared:
             # The shared values roll back from the own payload, which lacks them on a replacement that
@@ -263,10 +278,17 @@ class State:
         (collective)."""
         world = self._world
         ranks = [int(r) for r in world.logical_ranks]
-        lacking = [r for r, holds in zip(ranks, world.allgather(self._holds_shared)) if not holds]
+        holds = world.allgather((self._holds_shared, self._holds_twin or not self._twinned))
+        lacking = [r for r, (shared, _) in zip(ranks, holds) if not shared]
         self._point.interrupted()
         if lacking:
             self._share_to(lacking)
+        lacking = [r for r, (_, twin) in zip(ranks, holds) if not twin]
+        if lacking:
+            got = self._point.share_twins(world, self._capture().twin, lacking)
+            if got is not None:
+                self._apply(got)
+                self._holds_twin = True
 
     def _share_to(self, lacking: list[int]) -> None:
         """The shared values from the other active ranks to the logical ranks ``lacking`` (collective)."""
@@ -293,7 +315,7 @@ class State:
         arrays = {INDEX: wire.split(labels, "the State's index")[0]}
         for name, handler in self._handlers.items():
             arrays.update(handler.capture(name))
-        return Capture(arrays, self._local)
+        return Capture(arrays, self._local, self._twinned)
 
     def _apply(self, arrays: Mapping[str, np.ndarray], adopting: bool = False) -> None:
         """Take the values in ``arrays`` (read-only views of the store), each through its handler;

@@ -92,6 +92,12 @@ class Mesh:
         """The current ranks holding this rank's stage in the replicas in use, in replica order (local)."""
         return [self.rank_of(d, self.stage) for d in self.in_use]
 
+    def holders(self, logical: int) -> list[int]:
+        """The logical ranks that hold ``logical``'s stage, one per replica, in use or not (local):
+        its twins, for ``State(twins=mesh)``."""
+        stage = logical % self.pp
+        return [replica * self.pp + stage for replica in range(self.dp)]
+
     def allreduce_stage(self, arrays: list[np.ndarray], step: int | None = None) -> None:
         """Sum each array over this stage's replicas, in place (collective over the twins; every
         rank of the mesh calls it at the same point of its step). The sum is taken in replica order

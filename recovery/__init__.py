@@ -23,14 +23,15 @@ from ._placement import Chunk, DataLost, place_replicas, plan_transfers
 from ._policy import Policy
 
 if TYPE_CHECKING:
-    from ._share import share
+    from ._share import share, share_within
     from ._store import Adopt, ReplicatedStore, checksum
 
 __getattr__, __dir__ = lazy_exports(globals(), {
     "ReplicatedStore": "._store", "checksum": "._store", "Adopt": "._store", "share": "._share",
+    "share_within": "._share",
 })
 
 __all__ = ["ReplicatedStore", "DataLost", "CommitRejected", "NothingCommitted", "Chunk", "place_replicas",
            "plan_transfers", "Policy", "checksum", "StageRecovery", "plan_stage_recovery",
            "MeshRecovery", "plan_mesh_recovery", "whole_replicas", "checkfree_average",
-           "replica_holders", "LR_BOOST", "Adopt", "share", "Method"]
+           "replica_holders", "LR_BOOST", "Adopt", "share", "share_within", "Method"]

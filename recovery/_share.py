@@ -71,3 +71,49 @@ def byte_slices(segments: list[np.ndarray], start: int, size: int) -> list[np.nd
         if offset >= start + size:
             break
     return out
+
+
+def share_within(world: Group, arrays: Mapping[str, np.ndarray],
+                 receivers: Mapping[int, Sequence[int]]) -> dict[str, np.ndarray] | None:
+    """Copy to each logical rank in ``receivers`` the ``arrays`` its listed logical ranks hold alike
+    (its twins: the same shard), each of them sending an equal part (collective over the active
+    ranks; every rank passes the same ``receivers``, each with at least one live sender). Returns,
+    on a receiver, the arrays (its own, writable; what it passed gives nothing but the names'
+    order); None elsewhere.
+
+    Raises:
+        ProcessFailure: a rank failed during the transfer (on every rank: a vote).
+    """
+    me = int(world.logical_rank)
+    order = [int(r) for r in world.logical_ranks]
+    spec = [[name, a.dtype.str, list(a.shape)] for name, a in sorted(arrays.items())]
+    told = world.alltoall({order.index(r): spec for r, senders in receivers.items() if senders[0] == me})
+    out: dict[str, np.ndarray] | None = None
+    outgoing: dict[int, list[np.ndarray]] = {}
+    incoming: dict[int, list[np.ndarray]] = {}
+    if me in receivers:
+        manifest = next(t for t in told if t is not None)
+        out = {name: np.empty(tuple(shape), np.dtype(dtype)) for name, dtype, shape in manifest}
+        parts = [out[name].reshape(-1).view(np.uint8) for name, _, _ in manifest]
+        incoming = _split(parts, receivers[me])
+    else:
+        parts = [np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8) for name, _, _ in spec]
+        for r, senders in receivers.items():
+            if me in senders:
+                outgoing[r] = _split(parts, senders)[me]
+    try:
+        world.exchange(outgoing, incoming, point="restore")
+        ok = True
+    except ProcessFailure:
+        ok = False
+    world.vote(ok, "a rank could not finish its part of copying a shard from its twins")
+    if out is not None:
+        world.events.emit("twin_copied", senders=list(receivers[me]), bytes=sum(p.nbytes for p in parts))
+    return out
+
+
+def _split(parts: list[np.ndarray], senders: Sequence[int]) -> dict[int, list[np.ndarray]]:
+    """Each sender's equal part of the bytes ``parts`` make up (views)."""
+    total = sum(p.nbytes for p in parts)
+    bounds = [total * i // len(senders) for i in range(len(senders) + 1)]
+    return {s: byte_slices(parts, bounds[i], bounds[i + 1] - bounds[i]) for i, s in enumerate(senders)}

@@ -565,3 +565,101 @@ def test_without_an_older_version_kept_everywhere_a_repeated_non_finite_step_sto
     with pytest.raises(elastic.Unrecoverable, match=r"no older version is kept on every rank: keep_versions=2"):
         job.run(_late_corruption(keep=2))
     assert [e["mode"] for e in job.of("rebuilt")][:1] == ["spare"] and not job.of("finished")
+
+
+def _twin_main(replicas: int = 2, steps: int = STEPS):
+    """ZeRO-1 with twins (``State(per_step=True, twins=mesh)``): ``replicas`` instances of
+    ``n / replicas`` shards; each rank draws from its own stream, the gradient of the whole model is
+    summed over every rank, each rank updates its shard (moment and master weights, ``opt.<k>.*``)
+    after the step point, and the next step starts by gathering the model from its instance's
+    shards. After a shrink the ranks of an instance out of use compute nothing but still update
+    their shard (they receive the same sum): they stay their shards' twins."""
+    from elastic.mesh import Mesh
+
+    def main(world):
+        n = world.job.initial_size
+        mesh = Mesh(world, replicas, n // replicas)
+        me, k = int(world.logical_rank), mesh.stage
+        bounds = [3 * s for s in range(mesh.pp + 1)]
+        w0 = np.linspace(-1.0, 1.0, bounds[-1])
+        state = elastic.State(world, per_step=True, twins=mesh, twinned=("opt",), local=("draw",), step=0,
+                              draw=np.array([me + 1], np.int64),
+                              **{f"opt.{k}.m": np.zeros(3), f"opt.{k}.p": w0[bounds[k]:bounds[k + 1]].copy()})
+        computed = []
+
+        @elastic.run
+        def train(world, state):
+            w = np.empty(bounds[-1])
+            while state.step < steps:
+                if mesh.working:  # the model, from the shards of this rank's instance
+                    hosts = mesh.stage_hosts()
+                    mine = state[f"opt.{k}.p"]
+                    world.neighbors([(hosts[s], 0, mine) for s in hosts if s != k],
+                                    [(hosts[s], 0, w[bounds[s]:bounds[s + 1]]) for s in hosts if s != k],
+                                    step=state.step)
+                    w[bounds[k]:bounds[k + 1]] = mine
+                state.draw = (state.draw * LCG[0] + LCG[1]) % LCG[2]
+                g = np.zeros(bounds[-1])
+                if mesh.working:
+                    g += np.sin(w * (1 + state.draw[0] % 7)) + state.step
+                world.allreduce([g], step=state.step)
+                if mesh.working:
+                    computed.append(state.step)  # a step summed twice shows
+                state.step_point()
+                m, p = state[f"opt.{k}.m"], state[f"opt.{k}.p"]
+                m *= 0.9
+                m += g[bounds[k]:bounds[k + 1]]
+                p -= 0.01 * m
+                state.step += 1
+                state.record_step(state.step)
+            return {"m": state[f"opt.{k}.m"].tobytes().hex(), "p": state[f"opt.{k}.p"].tobytes().hex(),
+                    "draw": int(state.draw[0])}, computed
+        return train(world, state)
+    return main
+
+
+@pytest.fixture(scope="module")
+def twin_reference():
+    return {r: result for r, (result, _) in SimJob(4).run(_twin_main()).items()}
+
+
+@pytest.mark.parametrize("inject, redone", [
+    ("1@3", 0),         # between steps: the survivors find out in step 3's gather
+    ("1@c5", 0),        # inside step 5's sum: nobody reached its step point
+    ("3@u4", 0),        # inside step 4's update, past its point: its twin completed the update
+    ("2@commit4", 1),   # inside step 3's step point: nobody applies step 3, it is done again
+])
+def test_a_shard_comes_back_from_its_twin_bitwise_and_nothing_of_it_is_copied_per_step(twin_reference, inject,
+                                                                                        redone):
+    job = SimJob(4, spares=1, inject=inject)
+    got = job.run(_twin_main())
+    assert {r: result for r, (result, _) in got.items()} == twin_reference
+    assert twin_reference[0]["m"] == twin_reference[2]["m"] and twin_reference[0]["m"] != twin_reference[1]["m"]
+    lost = int(inject[0])
+    for r in set(range(4)) - {lost}:
+        assert len(got[r][1]) - STEPS == redone, got[r][1]
+    twin = {0: 2, 1: 3, 2: 0, 3: 1}[lost]
+    assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(lost, [twin])]
+    # The step points replicated the random streams and the index only: no shard's bytes.
+    assert all(e["replicated_bytes"] == e["payload_bytes"] < 2048 for e in job.of("committed"))
+
+
+def test_losing_both_twins_of_a_shard_at_once_is_data_lost_naming_the_shard_on_every_rank():
+    job = SimJob(4, spares=2, inject="1@3,3@3")
+    with pytest.raises(DataLost, match=r"logical rank 1's shard, held by logical ranks \[1, 3\]"):
+        job.run(_twin_main())
+    assert sorted(e["logical"] for e in job.of("data_lost")) == [0, 1, 2, 3]  # the two replacements too
+
+
+def test_a_shrink_takes_the_lost_ranks_instance_out_and_its_survivors_stay_twins():
+    """Logical rank 1 dies without a spare: the mesh policy takes instance 0 out; logical rank 0
+    (instance 0) computes nothing more but keeps its shard in step with its twin, logical rank 2."""
+    from elastic.mesh import mesh_policy
+
+    job = SimJob(4, inject="1@3", rebuild=("shrink",))
+    job.policy = mesh_policy(2, 2, job.policy)
+    got = job.run(_twin_main())
+    assert sorted(got) == [0, 2, 3]
+    assert got[0][0]["m"] == got[2][0]["m"] and got[0][0]["p"] == got[2][0]["p"]
+    assert got[0][1] == [0, 1, 2] and got[2][1] == list(range(STEPS))  # rank 0 idles from step 3 on
+    assert [e["removed"] for e in job.of("rebuilt")] == [[1]]
