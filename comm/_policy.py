@@ -36,6 +36,7 @@ class RebuildContext:
     unavailable: frozenset[str] = frozenset()   # modes that failed in this rebuild (a spawn)
     lost_ranks: tuple[int, ...] = ()            # which: their logical ranks, sorted
     active_ranks: tuple[int, ...] = ()          # the live active ranks' logical ranks, sorted
+    initial_size: int = 0                       # the job's logical ranks at the start (0: not told)
 
 
 @message

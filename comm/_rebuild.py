@@ -85,6 +85,8 @@ class RebuildHost(Protocol):
     def _streak(self) -> int: ...
     @property
     def _committed(self) -> bool: ...
+    @property
+    def _initial_size(self) -> int: ...
 
     def _fire_for(self, members: Members, point: str, index: int | None = None) -> None: ...
     def _handover(self) -> dict[str, Any]: ...
@@ -269,7 +271,8 @@ class Rebuilder:
         answer, lost = None, len(pending)
         if members.comm.Get_rank() == 0:
             context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable,
-                                     tuple(int(r) for r in pending), tuple(int(r) for r in members.logical_ranks()))
+                                     tuple(int(r) for r in pending), tuple(int(r) for r in members.logical_ranks()),
+                                     self.world._initial_size)
             try:  # whatever the policy does, every process must get one decision
                 got = self.world._policy.decide(context)
                 answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))

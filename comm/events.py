@@ -50,6 +50,7 @@ EVENTS: dict[str, str] = {
     "state_restored": "the program's values were put back from a version", "data_lost": "no copy of some state is left",
     "corrupt_copy": "a copy failed its checksum and was not used",
     "shared_copied": "the values every rank holds alike went to replacements, from the survivors",
+    "twin_copied": "a replacement got its shard from its live twins (State(twins=...)), senders named",
     # the layers above
     "step": "one training step (loss, seconds, samples)", "process_group": "torch.distributed was (re)built",
     "stage_rebuilt": "a pipeline stage came back (replica, CheckFree, CheckFree+)",

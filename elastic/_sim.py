@@ -229,7 +229,8 @@ class SimJob:
         lost = sorted(f.dead & set(f.active))
         live = [r for r in f.active if r not in f.dead]
         decision = self.policy.decide(RebuildContext(len(lost), f.spares, len(live), outlook,
-                                                     lost_ranks=tuple(lost), active_ranks=tuple(sorted(live))))
+                                                     lost_ranks=tuple(lost), active_ranks=tuple(sorted(live)),
+                                                     initial_size=self.initial_size))
         replaced: list[int] = []
         plan = fill(decision.modes, lost, f.spares)  # the real rebuild's rule
         used = [mode for mode, _ in plan]

@@ -133,29 +133,31 @@ class _MeshPolicy:
 
     base: Policy
     dp: int
-    pp: int
+    stages: int | None  # None: the job's initial size over dp
     checkfree_plus: bool
     copies: bool
 
     def decide(self, context: RebuildContext) -> Decision:
+        pp = self.stages or context.initial_size // self.dp
         survivors, lost = set(context.active_ranks), set(context.lost_ranks)
-        dropped = set(range(self.dp)) - set(whole_replicas(self.dp, self.pp, survivors | lost))  # an earlier shrink
-        whole = whole_replicas(self.dp, self.pp, survivors)
+        dropped = set(range(self.dp)) - set(whole_replicas(self.dp, pp, survivors | lost))  # an earlier shrink
+        whole = whole_replicas(self.dp, pp, survivors)
         decision = (self.base if whole else without_shrink(self.base)).decide(context)
         if "shrink" in decision.modes:  # all lost ranks' replicas go out of use, none half replaced
-            return Decision(("shrink",), f"{decision.reason}; replicas {sorted({r // self.pp for r in lost})} go out "
+            return Decision(("shrink",), f"{decision.reason}; replicas {sorted({r // pp for r in lost})} go out "
                                          f"of use, replicas {whole} carry the global batch")
         try:
-            plan_mesh_recovery(self.dp, self.pp, lost, self.checkfree_plus, dropped)
+            plan_mesh_recovery(self.dp, pp, lost, self.checkfree_plus, dropped)
         except Unrecoverable as exc:
             if not self.copies:  # with copies in a store, only its recovery can tell
                 return Decision((), str(exc))
         return decision
 
 
-def mesh_policy(dp: int, pp: int, base: Policy | None = None, checkfree_plus: bool = False,
+def mesh_policy(dp: int, pp: int | None = None, base: Policy | None = None, checkfree_plus: bool = False,
                 copies: bool = False) -> RebuildPolicy:
-    """The rebuild policy of a ``dp`` x ``pp`` mesh: ``base`` (default: the launcher's,
+    """The rebuild policy of a ``dp`` x ``pp`` mesh (``pp`` None: the job's size over ``dp``, for a
+    program that learns its size from ``elastic.init``): ``base`` (default: the launcher's,
     ``Policy.from_env()``), shrinking only where a whole replica stays in use and then every lost
     rank's replica out of use (never a replica half replaced, half removed), and a stop before
     any replacement is started when the ranks lost in one rebuild took every replica of a stage

@@ -75,10 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def local_loss(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-               batches: elastic.GlobalBatches, step: int, args: argparse.Namespace) -> tuple[float, list[float]]:
-    """Backward over this rank's share of global batch ``step`` and all-reduce the gradients
-    (collective). Returns the global loss and the fingerprint of the samples used."""
-    mine = batches.shard(step, world)
+               batches: elastic.GlobalBatches, step: int, args: argparse.Namespace,
+               mine: np.ndarray | None = None) -> tuple[float, list[float]]:
+    """Backward over this rank's share of global batch ``step`` (``mine``: other indices, none
+    for a rank that computes nothing) and all-reduce the gradients (collective). Returns the
+    global loss and the fingerprint of the samples used."""
+    mine = batches.shard(step, world) if mine is None else mine
     local = torch.zeros(())
     for part in elastic.micro_batches(mine, args.micro_batch):
         idx = torch.from_numpy(part)

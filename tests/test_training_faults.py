@@ -18,7 +18,8 @@ from elastic.report import ettr, final_steps, timeline
 
 pytestmark = pytest.mark.fault
 TRAIN = ("examples/train.py",)
-ZERO = ("examples/zero1.py",)
+ZERO = ("examples/zero1.py",)  # two instances: each shard kept by a twin, every step a recovery point
+ZERO_COMMITTED = ZERO + ("--replicas", "1")  # a shard per rank, committed every 5 steps
 NO_DROPOUT = ("--dropout", "0")
 
 
@@ -183,19 +184,60 @@ def test_ported_script_shrink_mid_epoch_keeps_batches_and_learning_rate(tmp_path
 
 
 def test_zero1_lost_optimizer_shard_comes_back_bitwise(tmp_path, reference):
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@13", program=ZERO)
-    assert_bitwise(job, reference(ZERO), "moments_sha256")
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@13", program=ZERO_COMMITTED)
+    assert_bitwise(job, reference(ZERO_COMMITTED), "moments_sha256")
     assert job.result["shard_owners"] == [[0], [1], [2], [3]]
 
 
 def test_zero1_shrink_hands_the_shard_to_a_survivor(tmp_path, reference):
-    ref = reference(ZERO + NO_DROPOUT)
-    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "2@13", program=ZERO + NO_DROPOUT)
+    ref = reference(ZERO_COMMITTED + NO_DROPOUT)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "2@13", program=ZERO_COMMITTED + NO_DROPOUT)
     assert job.rc == 0, job.output
     owners = job.result["shard_owners"]
     assert len(owners) == 3 and sorted(s for mine in owners for s in mine) == [0, 1, 2, 3]
     expected = ref["result"]["final_loss"]
     assert abs(job.result["final_loss"] - expected) <= 1e-5 * expected
+
+
+@pytest.mark.parametrize("inject", ["2@13", "1@u13"])
+def test_zero1_twins_a_lost_shard_comes_back_from_its_twin_bitwise_and_no_step_is_redone(tmp_path, reference,
+                                                                                         inject):
+    """Two instances of two shards, every step a recovery point (the default): logical rank 2 dies
+    between steps, or logical rank 1 inside step 13's update (past its point; its twin finished
+    it): the spare gets the shard from its twin (logical rank 0 or 3) and the job ends bitwise the
+    failure-free run, no step done twice, no shard byte ever sent to the store."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=ZERO)
+    assert_bitwise(job, reference(ZERO), "moments_sha256")
+    assert job.result["shard_owners"] == [[0], [1], [0], [1]] and job.result["twins_agree"]
+    lost = int(inject[0])
+    row = single_rebuild(job)
+    assert row["failed"] == [lost] and row["mode"] == "spare" and row["redone"] == 0
+    assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(lost, [(lost + 2) % 4])]
+    # Each step point replicated the random streams and the index (15 KB): the shard (445 KB a rank) never.
+    assert all(e["replicated_bytes"] == e["payload_bytes"] < 32768 for e in job.of("committed"))
+
+
+def test_zero1_twins_shrink_takes_the_instance_out_and_keeps_the_global_batch(tmp_path, reference):
+    ref = reference(ZERO + NO_DROPOUT)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "1@13", program=ZERO + NO_DROPOUT)
+    assert job.rc == 0, job.output
+    row = single_rebuild(job)
+    assert row["mode"] == "shrink"
+    assert "replicas [0] go out of use, replicas [1] carry the global batch" in row["reason"]
+    assert job.result["shard_owners"] == [[0], [0], [1]] and job.result["twins_agree"]  # rank 0 idles, in step
+    for step, data in ref["steps"].items():  # the same samples every step
+        assert final_steps(job.events)[step]["samples"] == data["samples"], step
+    expected = ref["result"]["final_loss"]
+    assert abs(job.result["final_loss"] - expected) <= 1e-5 * expected
+
+
+def test_zero1_losing_both_twins_of_a_shard_is_data_lost_naming_it_on_every_rank(tmp_path):
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@13,3@13", program=ZERO)
+    assert job.rc == 1, job.output
+    errors = [o for o in job.outcomes if o["status"] == "error"]
+    assert sorted(o["logical"] for o in errors) == [0, 1, 2, 3] and {o["kind"] for o in errors} == {"DataLost"}
+    assert all("logical rank 1's shard, held by logical ranks [1, 3]" in o["message"] for o in errors), errors
+    assert not job.has_result
 
 
 def test_cost_model_spawns_when_shrinking_costs_more(tmp_path, reference):
