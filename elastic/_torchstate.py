@@ -7,6 +7,7 @@ from elastic.comm import ConfigError, Recoverable
 from elastic.recovery import Adopt
 
 from ._handlers import Held, Module, Rng, Stateful
+from ._points import Twins
 from ._state import State
 
 
@@ -24,21 +25,26 @@ class TorchState(State):
     ``Rng``), like the program's values. After a shrink, a pair taken over
     from a removed rank is held as arrays until ``bind(name, model,
     optimizer)`` loads it (see ``unbound()``). With ``per_step=True`` every
-    optimizer's ``step()`` is a recovery point (``step_point`` runs just before it).
+    optimizer's ``step()`` is a recovery point (``step_point`` runs just before it); with a sharded
+    optimizer that needs ``twins`` (``State``): the optimizer's state is then twinned, held alike by
+    the ranks of its shard, as are the values named in ``twinned`` (the shard's master weights).
     """
 
     def __init__(self, world: Recoverable, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
                  adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,
-                 **values: Any) -> None:
-        local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer else ())
-        if per_step and shard_optimizer:
+                 twins: Twins | None = None, twinned: tuple[str, ...] = (), **values: Any) -> None:
+        local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer and twins is None else ())
+        twinned = tuple(twinned) + (("optim",) if shard_optimizer and twins is not None else ())
+        if per_step and shard_optimizer and twins is None:
             raise ConfigError("per_step=True with shard_optimizer=True: a step point comes before the optimizer "
-                              "step, and a sharded optimizer's state changes in it, after the point; use "
-                              "per_step=False (commit() every few steps) with a sharded optimizer")
+                              "step, and a sharded optimizer's state changes in it, after the point, where nothing "
+                              "else holds it; give twins=elastic.mesh.Mesh(world, r, n // r) (each shard held by r "
+                              "ranks that apply the same update, examples/zero1.py), or use per_step=False "
+                              "(commit() every few steps)")
         super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
-                         per_step=per_step, keep_versions=keep_versions, **values)
+                         per_step=per_step, keep_versions=keep_versions, twins=twins, twinned=twinned, **values)
         pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
         for name, (module, optim) in {**pairs, **(modules or {})}.items():
             self.bind(name, module, optim)

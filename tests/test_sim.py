@@ -663,3 +663,52 @@ def test_a_shrink_takes_the_lost_ranks_instance_out_and_its_survivors_stay_twins
     assert got[0][0]["m"] == got[2][0]["m"] and got[0][0]["p"] == got[2][0]["p"]
     assert got[0][1] == [0, 1, 2] and got[2][1] == list(range(STEPS))  # rank 0 idles from step 3 on
     assert [e["removed"] for e in job.of("rebuilt")] == [[1]]
+
+
+def _twin_torch_main(steps: int = STEPS):
+    """The library's sharded path: a torch Adam over this rank's shard of the weights
+    (``TorchState(shard_optimizer=True, per_step=True, twins=mesh)``), its ``step()`` the step point."""
+    import torch
+
+    from elastic.mesh import Mesh
+
+    def main(world):
+        mesh = Mesh(world, 2, world.job.initial_size // 2)
+        me, k = int(world.logical_rank), mesh.stage
+        bounds = [3 * s for s in range(mesh.pp + 1)]
+        shard = torch.nn.Linear(3, 1, bias=False)
+        with torch.no_grad():
+            shard.weight.copy_(torch.linspace(-1.0, 1.0, bounds[-1], dtype=torch.float32)[bounds[k]:bounds[k + 1]])
+        optimizer = torch.optim.Adam(shard.parameters(), lr=0.01)
+        state = elastic.TorchState(world, modules={"shard": (shard, optimizer)}, shard_optimizer=True, per_step=True,
+                                   twins=mesh, twinned=("shard",), local=("draw",), step=0,
+                                   draw=np.array([me + 1], np.int64))
+
+        @elastic.run
+        def train(world, state):
+            w = np.empty(bounds[-1], np.float32)
+            while state.step < steps:
+                hosts, mine = mesh.stage_hosts(), shard.weight.detach().numpy().reshape(-1)
+                world.neighbors([(hosts[s], 0, mine) for s in hosts if s != k],
+                                [(hosts[s], 0, w[bounds[s]:bounds[s + 1]]) for s in hosts if s != k], step=state.step)
+                w[bounds[k]:bounds[k + 1]] = mine
+                state.draw = (state.draw * LCG[0] + LCG[1]) % LCG[2]
+                g = (np.sin(w * (1 + state.draw[0] % 7)) + state.step).astype(np.float32)
+                world.allreduce([g], step=state.step)
+                shard.weight.grad = torch.from_numpy(g[bounds[k]:bounds[k + 1]].reshape(1, 3).copy())
+                optimizer.step()  # the step point first (the hook), then the update: local
+                state.step += 1
+                state.record_step(state.step)
+            moments = optimizer.state[shard.weight]["exp_avg_sq"]
+            return shard.weight.detach().numpy().tobytes().hex() + moments.numpy().tobytes().hex()
+        return train(world, state)
+    return main
+
+
+@pytest.mark.parametrize("inject", ["1@3", "3@u4", "0@c5"])
+def test_a_torch_optimizer_shard_comes_back_from_its_twin_bitwise(inject):
+    reference = SimJob(4).run(_twin_torch_main())
+    assert reference[0] == reference[2] != reference[1] == reference[3]
+    job = SimJob(4, spares=1, inject=inject)
+    assert job.run(_twin_torch_main()) == reference
+    assert len(job.of("twin_copied")) == 1
