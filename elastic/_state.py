@@ -29,7 +29,7 @@ from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore, share
 from ._capture import INDEX, Capture, is_local
 from ._clock import StepClock
 from ._datafaults import data_faults
-from ._gate import Gate, fingerprints
+from ._gate import Gate, TwinCheck, fingerprints
 from ._handlers import Handler, Held, adopted, for_value
 from ._integrity import NonFinite, digest
 from ._points import Twins, recovery_point
@@ -88,6 +88,8 @@ class State:
         self._clock = StepClock(world, settings)
         self._gate = Gate(world, settings.max_failures)
         self._stragglers = straggler_watch(world, settings)
+        self._twin_check = TwinCheck(world, twins.holders, settings.twin_check_every) \
+            if twins is not None and settings.twin_check_every else None
         self._data_faults = data_faults(world)
         for name, value in values.items():
             self[name] = value
@@ -245,6 +247,8 @@ class State:
         many times slower than the median for ``ELASTIC_STRAGGLER_STEPS`` steps in a row is
         evicted like a failed rank: call it on every rank then."""
         self._point.step_ended()
+        if self._twin_check is not None:
+            self._twin_check.step_ended(step, lambda: self._capture().twin)
         self._gate.saw(step, loss, grad_norm)
         self._world.fault_point(step, implied=True)
         if self._data_faults is not None:

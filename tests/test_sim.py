@@ -567,13 +567,14 @@ def test_without_an_older_version_kept_everywhere_a_repeated_non_finite_step_sto
     assert [e["mode"] for e in job.of("rebuilt")][:1] == ["spare"] and not job.of("finished")
 
 
-def _twin_main(replicas: int = 2, steps: int = STEPS):
+def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] | None = None):
     """ZeRO-1 with twins (``State(per_step=True, twins=mesh)``): ``replicas`` instances of
     ``n / replicas`` shards; each rank draws from its own stream, the gradient of the whole model is
     summed over every rank, each rank updates its shard (moment and master weights, ``opt.<k>.*``)
     after the step point, and the next step starts by gathering the model from its instance's
     shards. After a shrink the ranks of an instance out of use compute nothing but still update
-    their shard (they receive the same sum): they stay their shards' twins."""
+    their shard (they receive the same sum): they stay their shards' twins. ``corrupt``: (logical
+    rank, step) whose update goes wrong once, silently."""
     from elastic.mesh import Mesh
 
     def main(world):
@@ -610,6 +611,8 @@ def _twin_main(replicas: int = 2, steps: int = STEPS):
                 m *= 0.9
                 m += g[bounds[k]:bounds[k + 1]]
                 p -= 0.01 * m
+                if (me, state.step) == corrupt and world.generation == 0:
+                    p[0] += 1e-9  # a flipped bit, say
                 state.step += 1
                 state.record_step(state.step)
             return {"m": state[f"opt.{k}.m"].tobytes().hex(), "p": state[f"opt.{k}.p"].tobytes().hex(),
@@ -712,3 +715,25 @@ def test_a_torch_optimizer_shard_comes_back_from_its_twin_bitwise(inject):
     job = SimJob(4, spares=1, inject=inject)
     assert job.run(_twin_torch_main()) == reference
     assert len(job.of("twin_copied")) == 1
+
+
+def test_twins_that_differ_stop_every_rank_naming_the_shard_when_no_majority_can_tell():
+    job = SimJob(4, twin_check_every=2)
+    with pytest.raises(elastic.Unrecoverable, match=r"at step 4 the twins \[1, 3\] differ in \['opt.1.p'\]"):
+        job.run(_twin_main(corrupt=(3, 3)))  # step 3's update, the check at the end of step 4
+    assert [(e["step"], e["undecided"]) for e in job.of("integrity") if e["logical"] == 0] == \
+        [(4, {"[1, 3]": ["opt.1.p"]})]
+
+
+def test_a_twin_that_differs_from_its_majority_is_fenced_and_replaced_bitwise():
+    """Three instances: the odd twin of shard 1 is fenced at the step's end, before its shard feeds
+    anyone's model; the spare takes the shard from the two that agree, and the run ends bitwise the
+    failure-free one."""
+    reference = SimJob(6, twin_check_every=1).run(_twin_main(replicas=3))
+    job = SimJob(6, spares=1, twin_check_every=1)
+    got = job.run(_twin_main(replicas=3, corrupt=(3, 3)))
+    assert {r: result for r, (result, _) in got.items()} == {r: result for r, (result, _) in reference.items()}
+    fenced = [e for e in job.of("integrity") if e["verdict"] == "twins"]
+    assert {e["logical"] for e in fenced} == set(range(6)) and {tuple(e["ranks"]) for e in fenced} == {(3,)}
+    assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [3])]
+    assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(3, [1, 5])]
