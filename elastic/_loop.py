@@ -123,7 +123,7 @@ class _Training(Generic[T]):
             result = self._func()
         except SystemExit as exc:  # sys.exit() on one rank is that rank's failure, with its code
             world.fail("SystemExit", f"sys.exit({exc.code!r}) before the training finished")
-        state.commit()
+        state._commit(program=False)  # the job's end: a sharded job's twins need no copy of their shards
         world.finish()
         return result
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from elastic.comm import ConfigError, Group, agreed
-from elastic.recovery import DataLost, share_within
+from elastic.recovery import Adopt, DataLost, ReplicatedStore, share_within
 
 from ._capture import Capture
 
@@ -31,8 +31,14 @@ class RecoveryPoint(Protocol):
         """What a commit hands the store: the arrays, and which of them stay in the own payload."""
         ...
 
-    def committed(self) -> None:
-        """A commit made a version current."""
+    def committed(self, capture: Capture, program: bool) -> None:
+        """A commit made ``capture`` a current version (``program``: the program's ``commit()``, not
+        the job's start or end)."""
+        ...
+
+    def recover(self, adopt: Adopt | None) -> None:
+        """After a rebuild, before ``restore``: bring back what this strategy keeps besides the
+        State's store (collective)."""
         ...
 
     def step_point(self, capture: Capture, commit: Store) -> None:
@@ -57,6 +63,15 @@ class RecoveryPoint(Protocol):
         (collective); what this rank receives, or None."""
         ...
 
+    def orphans(self, world: Group, lacking: Sequence[int]) -> list[int]:
+        """Of the logical ranks ``lacking`` their twinned values, those no live twin holds (local)."""
+        ...
+
+    def last_commit(self, world: Group, orphans: Sequence[int]) -> dict[str, np.ndarray]:
+        """This rank's values at the program's last ``commit()``, every rank's way back when the
+        twins of ``orphans`` all died; ``DataLost`` naming their shards on every rank without one."""
+        ...
+
 
 class Twins(Protocol):
     """Which ranks hold the same shard (``elastic.Mesh``: the replicas of a stage)."""
@@ -75,7 +90,10 @@ class EveryCommit:
     def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
         return dict(capture.arrays), list(capture.shared)
 
-    def committed(self) -> None:
+    def committed(self, capture: Capture, program: bool) -> None:
+        pass
+
+    def recover(self, adopt: Adopt | None) -> None:
         pass
 
     def step_point(self, capture: Capture, commit: Store) -> None:
@@ -94,6 +112,12 @@ class EveryCommit:
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
                     lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
         return None  # the twinned values are committed with the rest: the store brings them back
+
+    def orphans(self, world: Group, lacking: Sequence[int]) -> list[int]:
+        return []
+
+    def last_commit(self, world: Group, orphans: Sequence[int]) -> dict[str, np.ndarray]:
+        raise AssertionError("no orphans without per-step twins")
 
 
 class EveryStep:
@@ -122,8 +146,11 @@ class EveryStep:
     def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
         return capture.unique, []  # the live shared values are their recovery point
 
-    def committed(self) -> None:
+    def committed(self, capture: Capture, program: bool) -> None:
         self._in_step = False
+
+    def recover(self, adopt: Adopt | None) -> None:
+        pass
 
     def step_point(self, capture: Capture, commit: Store) -> None:
         if self._in_step:
@@ -156,6 +183,12 @@ class EveryStep:
                     lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
         return None  # no twinned values
 
+    def orphans(self, world: Group, lacking: Sequence[int]) -> list[int]:
+        return []
+
+    def last_commit(self, world: Group, orphans: Sequence[int]) -> dict[str, np.ndarray]:
+        raise AssertionError("no orphans without twins")
+
 
 class TwinSteps(EveryStep):
     """Every optimizer step a recovery point, for sharded state held by twins
@@ -169,27 +202,50 @@ class TwinSteps(EveryStep):
     (the model every rank computes with) belongs at the top of the next step, before its point: a
     failure inside it finds every survivor past the update already, and the step, redone, gathers again."""
 
-    def __init__(self, world: Group, twins: Twins) -> None:
+    def __init__(self, world: Group, twins: Twins, commits: ReplicatedStore) -> None:
         super().__init__(world)
         self._twins = twins
+        self._commits = commits  # the program's commit()s, every value: the way back when every twin dies
+
+    def committed(self, capture: Capture, program: bool) -> None:
+        super().committed(capture, program)
+        if program:  # the job's start is none: losing every twin before the program commits is DataLost
+            self._commits.commit(dict(capture.arrays), self._commits.version + 1 if self._commits.version is not None
+                                 else 0, unreplicated=list(capture.shared))
+
+    def recover(self, adopt: Adopt | None) -> None:
+        # The store takes "the job committed, nobody holds a version" for data lost; the program may
+        # never have committed (the State's own store holds the step points).
+        if any(self._world.allgather(self._commits.version is not None)):
+            self._commits.recover(adopt=adopt)
 
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
                     lacking: Sequence[int]) -> dict[str, np.ndarray] | None:
         live = {int(r) for r in world.logical_ranks} - set(lacking)
-        receivers = {r: [h for h in self._twins.holders(r) if h in live] for r in lacking}
-        orphans = sorted(r for r, senders in receivers.items() if not senders)
-        if orphans:  # every rank computed the same table: every one raises alike
-            world.events.emit("data_lost", lost={str(r): [] for r in orphans}, twins=[self._twins.holders(r)
-                                                                                for r in orphans])
+        return share_within(world, twin, {r: [h for h in self._twins.holders(r) if h in live] for r in lacking})
+
+    def orphans(self, world: Group, lacking: Sequence[int]) -> list[int]:
+        live = {int(r) for r in world.logical_ranks} - set(lacking)
+        return [r for r in lacking if not live & set(self._twins.holders(r))]
+
+    def last_commit(self, world: Group, orphans: Sequence[int]) -> dict[str, np.ndarray]:
+        if self._commits.version is None:  # every rank knows the same: every one raises alike
+            world.events.emit("data_lost", lost={str(r): [] for r in orphans},
+                              twins=[self._twins.holders(r) for r in orphans])
             held = "; ".join(f"logical rank {r}'s shard, held by logical ranks {self._twins.holders(r)}"
                              for r in orphans)
             raise agreed(DataLost({r: [] for r in orphans}, f"{held}: every twin died at once and no commit "
                                   "holds it"))
-        return share_within(world, twin, receivers)
+        world.events.emit("twins_lost", ranks=list(orphans), version=self._commits.version)
+        return self._commits.restore()
 
 
-def recovery_point(world: Group, per_step: bool, twins: Twins | None = None) -> RecoveryPoint:
-    """The strategy for ``State(per_step=..., twins=...)``."""
+def recovery_point(world: Group, per_step: bool, twins: Twins | None = None,
+                   store: Callable[[], ReplicatedStore] | None = None) -> RecoveryPoint:
+    """The strategy for ``State(per_step=..., twins=...)``; ``store`` makes a store like the State's."""
     if not per_step:
         return EveryCommit()
-    return EveryStep(world) if twins is None else TwinSteps(world, twins)
+    if twins is None:
+        return EveryStep(world)
+    assert store is not None
+    return TwinSteps(world, twins, store())

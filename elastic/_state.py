@@ -77,7 +77,8 @@ class State:
         settings = Training.of(world)
         keep = settings.keep_versions if keep_versions is None else keep_versions
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
-        self._point = recovery_point(world, per_step, twins)
+        self._point = recovery_point(world, per_step, twins, lambda: ReplicatedStore(
+            world, replication=replication, chunk_bytes=chunk_bytes))
         self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
         self._holds_twin = False    # and its twinned values its shard's
         self._adopt = adopt
@@ -153,12 +154,17 @@ class State:
                 nothing is replaced, the last version stays current on every rank.
             ProcessFailure: a rank died; the last version stays current everywhere.
         """
+        self._commit(program=True)
+
+    def _commit(self, program: bool) -> None:
+        """``commit()``; ``program=False``: the job's start (``sync``) or end (``elastic.run``), which a
+        recovery point may keep less of."""
         capture = self._capture()
         self._gate.check(capture, self._next_version())
         arrays, unreplicated = self._point.stored(capture)
         self._store.commit(arrays, self._next_version(), unreplicated=unreplicated)  # in the own payload only
         self._holds_shared = self._holds_twin = True
-        self._point.committed()
+        self._point.committed(capture, program)
         self._gate.passed()
 
     def step_point(self) -> None:
@@ -226,7 +232,7 @@ class State:
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
                 self._share_to(differ)
-            self.commit()
+            self._commit(program=False)
         self._clock.restart()
 
     def record_step(self, step: int, loss: float | None = None, total: int | None = None, *,
@@ -272,6 +278,7 @@ class State:
         t0 = time.perf_counter()
         if not self._store.recover(adopt=self._adopt):
             return  # no version was ever committed: sync() starts over from the first survivor
+        self._point.recover(self._adopt)
         self.restore()
         self._share()
         self._world.events.emit("state_restored", version=self.version, seconds=time.perf_counter() - t0,
@@ -283,8 +290,15 @@ class State:
         world = self._world
         ranks = [int(r) for r in world.logical_ranks]
         holds = world.allgather((self._holds_shared, self._holds_twin or not self._twinned))
-        lacking = [r for r, (shared, _) in zip(ranks, holds) if not shared]
         self._point.interrupted()
+        lacking_twin = [r for r, (_, twin) in zip(ranks, holds) if not twin]
+        orphans = self._point.orphans(world, lacking_twin)
+        if orphans:  # every twin of some shard died: every rank back to the program's last commit, where a
+            self._apply(self._point.last_commit(world, orphans))  # replacement gets its shard from the store
+            self._gate.forget()
+            self._holds_twin = True
+            holds = [(shared, True) for shared, _ in holds]  # the shared values: a survivor's, rolled back
+        lacking = [r for r, (shared, _) in zip(ranks, holds) if not shared]
         if lacking:
             self._share_to(lacking)
         lacking = [r for r, (_, twin) in zip(ranks, holds) if not twin]
@@ -293,6 +307,8 @@ class State:
             if got is not None:
                 self._apply(got)
                 self._holds_twin = True
+        if orphans:  # the per-step point again, where the job now is
+            self._store.commit(self._capture().unique, self._next_version())
 
     def _share_to(self, lacking: list[int]) -> None:
         """The shared values from the other active ranks to the logical ranks ``lacking`` (collective)."""

@@ -10,7 +10,10 @@ its shard (the moments and the float32 master weights, ``adam.<shard>.*``).
 shard is held by one rank of every instance, its twins, which receive the same
 summed gradient and apply the same update. Every step is a recovery point at no
 copy (``State(per_step=True, twins=mesh)``): a lost rank's shard comes back from
-its twin, bitwise, and only the random streams are replicated per step. Each step
+its twin, bitwise, and only the random streams are replicated per step (with
+``--commit-every K`` a commit every K steps too, every value replicated: the way
+back, bitwise, when every twin of a shard dies at once; without, that is
+``DataLost`` naming the shard). Each step
 begins by gathering the model from the shards of the rank's instance (point to
 point), so a failure anywhere in a step finds every survivor's shard whole. A
 shrink takes the lost rank's instance out: the instances left carry the whole
@@ -18,7 +21,7 @@ global batch, and the ranks of the one taken out compute nothing but keep their
 shards in step (they still get the summed gradient), twins to the end.
 
 ``--replicas 1``: one shard per rank, kept only by the store's replicas of the
-last ``commit()`` (every ``--commit-every`` steps); after a shrink a survivor
+last ``commit()`` (every ``--commit-every`` steps, 5 by default); after a shrink a survivor
 adopts the removed rank's shard.
 
     python -m elastic.launch -n 4 --spares 1 --inject 2@20 -- python examples/zero1.py
@@ -96,6 +99,8 @@ def train_twins(world: elastic.World, model: torch.nn.Module, x: torch.Tensor, y
             state.step += 1
             state.loss = loss
             state.record_step(state.step, loss, total=args.steps, samples=samples)
+            if args.commit_every and state.step % args.commit_every == 0:
+                state.commit()
         return state.loss
 
     loss = train(world, state)
@@ -137,7 +142,7 @@ def train_sharded(world: elastic.World, model: torch.nn.Module, x: torch.Tensor,
             state.step += 1
             state.loss = loss  # committed with the rest: a job resumed after its last step still knows it
             state.record_step(state.step, loss, total=args.steps, samples=samples)
-            if state.step % args.commit_every == 0:
+            if state.step % (args.commit_every or 5) == 0:
                 state.commit()
         return state.loss
 
@@ -149,6 +154,7 @@ def main() -> int:
     add_arguments(parser)
     parser.add_argument("--replicas", type=int, default=2,
                         help="instances, each shard held by one rank of each (1: a shard per rank, committed)")
+    parser.set_defaults(commit_every=0)  # twins need no commit; --replicas 1 commits every 5 steps unless told
     args = parser.parse_args()
     x, y, model = setup(args)
     world = elastic.init(policy=mesh_policy(args.replicas, copies=True) if args.replicas > 1 else None)

@@ -567,14 +567,16 @@ def test_without_an_older_version_kept_everywhere_a_repeated_non_finite_step_sto
     assert [e["mode"] for e in job.of("rebuilt")][:1] == ["spare"] and not job.of("finished")
 
 
-def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] | None = None):
+def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] | None = None,
+               commit_every: int = 0):
     """ZeRO-1 with twins (``State(per_step=True, twins=mesh)``): ``replicas`` instances of
     ``n / replicas`` shards; each rank draws from its own stream, the gradient of the whole model is
     summed over every rank, each rank updates its shard (moment and master weights, ``opt.<k>.*``)
     after the step point, and the next step starts by gathering the model from its instance's
     shards. After a shrink the ranks of an instance out of use compute nothing but still update
     their shard (they receive the same sum): they stay their shards' twins. ``corrupt``: (logical
-    rank, step) whose update goes wrong once, silently."""
+    rank, step) whose update goes wrong once, silently. ``commit_every``: the program's commits, the
+    way back when every twin of a shard dies."""
     from elastic.mesh import Mesh
 
     def main(world):
@@ -615,6 +617,8 @@ def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] |
                     p[0] += 1e-9  # a flipped bit, say
                 state.step += 1
                 state.record_step(state.step)
+                if commit_every and state.step % commit_every == 0:
+                    state.commit()
             return {"m": state[f"opt.{k}.m"].tobytes().hex(), "p": state[f"opt.{k}.p"].tobytes().hex(),
                     "draw": int(state.draw[0])}, computed
         return train(world, state)
@@ -737,3 +741,13 @@ def test_a_twin_that_differs_from_its_majority_is_fenced_and_replaced_bitwise():
     assert {e["logical"] for e in fenced} == set(range(6)) and {tuple(e["ranks"]) for e in fenced} == {(3,)}
     assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [3])]
     assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(3, [1, 5])]
+
+
+def test_losing_both_twins_of_a_shard_with_commits_goes_back_to_the_last_commit_bitwise():
+    reference = SimJob(4).run(_twin_main(commit_every=3))
+    job = SimJob(4, spares=2, inject="1@5,3@5")  # after step 5's update: the last commit was at step 3
+    got = job.run(_twin_main(commit_every=3))
+    assert {r: result for r, (result, _) in got.items()} == {r: result for r, (result, _) in reference.items()}
+    assert {(e["ranks"][0], e["version"]) for e in job.of("twins_lost")} == {(1, 0)}  # the program's first
+    assert sorted(got[0][1]) == [0, 1, 2, 3, 3, 4, 4, 5, 6, 7]  # steps 3 and 4 done again
+    assert not job.of("twin_copied")  # every shard came from the commit

@@ -231,6 +231,14 @@ def test_zero1_twins_shrink_takes_the_instance_out_and_keeps_the_global_batch(tm
     assert abs(job.result["final_loss"] - expected) <= 1e-5 * expected
 
 
+def test_zero1_losing_both_twins_of_a_shard_with_commits_goes_back_to_the_commit_bitwise(tmp_path, reference):
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@13,3@13", program=ZERO + ("--commit-every", "5"))
+    assert_bitwise(job, reference(ZERO), "moments_sha256")  # the commits change no value
+    row = single_rebuild(job)
+    assert sorted(row["failed"]) == [1, 3] and row["redone"] == 3  # back to step 10's commit
+    assert {tuple(e["ranks"]) for e in job.of("twins_lost")} == {(1, 3)} and not job.of("twin_copied")
+
+
 def test_zero1_losing_both_twins_of_a_shard_is_data_lost_naming_it_on_every_rank(tmp_path):
     job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@13,3@13", program=ZERO)
     assert job.rc == 1, job.output
