@@ -196,7 +196,8 @@ class TwinSteps(EveryStep):
     reduced gradient bits and apply the same update (Megatron's partial distributed optimizer,
     torch's HSDP), so its values, ``twinned``, are never copied at a step point, only the
     rank-unique ones (the RNG states). A replacement gets its shard from its live twins, bitwise;
-    with none left, ``DataLost`` names the shard on every rank.
+    with none left, every rank goes back to the program's last ``commit()`` (kept, every value, in
+    a store of this point's own), or without one ``DataLost`` names the shard on every rank.
 
     The update of a shard is local work after the point, as ``EveryStep`` asks; the shards' all-gather
     (the model every rank computes with) belongs at the top of the next step, before its point: a

@@ -16,7 +16,12 @@ outcome. ``--program hybrid``: ``examples/hybrid.py`` on a 2 x 2 data x pipeline
 (no store: a lost stage comes back from its live twin, bitwise, or after a shrink
 the other replica carries the batch, loss within 1e-4; when both replicas in use
 of a stage die together the job must stop on every rank with ``Unrecoverable``, as
-``plan_mesh_recovery`` says for the victims of one rebuild). ``--collective-kills``:
+``plan_mesh_recovery`` says for the victims of one rebuild). ``--program zero1``:
+``examples/zero1.py``, ZeRO-1 with each shard kept by a twin (two instances of two
+shards, every step a recovery point, no commits): bitwise with a replacement, the
+loss within 1e-5 after a shrink, and ``DataLost`` on every process exactly when
+both twins of a shard died before the first's replacement took the shard from
+the second. ``--collective-kills``:
 every run instead SIGKILLs one random rank at a random step inside that step's
 first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise.
 ``--data-faults``: more than half of the runs also get, before the kills, a data fault on a third
@@ -55,7 +60,9 @@ from elastic.recovery import place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
 PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py",
-            "hybrid": "examples/hybrid.py"}
+            "hybrid": "examples/hybrid.py", "zero1": "examples/zero1.py"}
+HASHES = {"zero1": ("model_sha256", "moments_sha256")}  # what a bitwise run matches; the others':
+DEFAULT_HASHES = ("model_sha256", "optimizer_sha256")
 MESH = (2, 2)  # --program hybrid: data x pipeline, RANKS in all
 ARGS = ("--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
 HANG_TIMEOUT, PROGRESS_TIMEOUT = 5, 5
@@ -238,14 +245,28 @@ def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
     return False
 
 
-def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, str]:
+def twins_lost(run_dir: Path) -> bool:
+    """Whether both twins of a shard (logical ranks r and r + 2 of 4) died, the second before the
+    first's replacement took the shard from it (``twin_copied``)."""
+    events = read_events(run_dir)
+    fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park"), key=lambda e: e["t"])
+    copied = [(e["t"], e["logical"]) for e in events if e["event"] == "twin_copied"]
+    for i, first in enumerate(fired):
+        for second in fired[i + 1:]:
+            if second["rank"] == (first["rank"] + RANKS // 2) % RANKS and \
+                    not any(first["t"] < t < second["t"] and r == first["rank"] for t, r in copied):
+                return True
+    return False
+
+
+def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict, program: str) -> tuple[str, str]:
     """(verdict, detail): correct / clear error / hang / mismatch."""
     if rc == 124:
         return "hang", "the job ran into its bound"
     outcomes = read_outcomes(run_dir)
     if scenario.mode == "hybrid":
         return check_hybrid(scenario, rc, run_dir, outcomes, ref)
-    expect_loss = loss_expected(run_dir, scenario, ref["chunks"])
+    expect_loss = twins_lost(run_dir) if program == "zero1" else loss_expected(run_dir, scenario, ref["chunks"])
     if rc == 0:
         if expect_loss:
             return "mismatch", "finished although every holder of some chunk died"
@@ -257,7 +278,7 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict) -> tuple[str, s
             ok = abs(result["final_loss"] - ref["final_loss"]) <= 1e-5 * ref["final_loss"]
             return ("correct", "shrink: loss within 1e-5") if ok else \
                 ("mismatch", f"loss {result['final_loss']} vs {ref['final_loss']}")
-        same = all(result[k] == ref[k] for k in ("model_sha256", "optimizer_sha256"))
+        same = all(result[k] == ref[k] for k in HASHES.get(program, DEFAULT_HASHES))
         return ("correct", "bitwise") if same else ("mismatch", "model or optimizer differs from the reference")
     errors = [o for o in outcomes if o["status"] == "error"]
     if rc == 1 and errors and {o["kind"] for o in errors} == {"DataLost"} and len({o["message"] for o in errors}) == 1 \
@@ -294,6 +315,26 @@ def check_hybrid(scenario: Scenario, rc: int, run_dir: Path, outcomes: list[dict
     return "mismatch", f"rc {rc}: {told}"
 
 
+def program_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The jobs' program and its arguments; combinations that make no sense are refused."""
+    if args.data_faults and (args.program != "train" or args.collective_kills):
+        parser.error("--data-faults: with --program train (the example that reports its gradients' norm)")
+    if args.per_step and args.program == "fsdp":
+        parser.error("--per-step: train or ddp (fsdp.py recovers through DCP checkpoints, committed every few steps)")
+    if args.program == "hybrid" and (args.per_step or args.collective_kills):
+        parser.error("--program hybrid draws its own victims on the mesh (no store, no per-step points)")
+    if args.program == "zero1" and (args.per_step or args.data_faults):
+        parser.error("--program zero1: its twins make every step a recovery point already (no --per-step)")
+    program = (PROGRAMS[args.program], *ARGS) + (("--per-step",) if args.per_step else ())
+    if args.program == "zero1":  # twins, per step, no commits: losing both twins is DataLost
+        program = (PROGRAMS["zero1"], *ARGS[:-2], "--commit-every", "0")
+    if args.program == "hybrid":
+        # Without store copies: the expected outcome then follows from the victims alone (twins, CheckFree).
+        program = (PROGRAMS["hybrid"], "--dp", str(MESH[0]), "--pp", str(MESH[1]), "--steps", str(STEPS),
+                   "--commit-every", "0")
+    return program
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
@@ -309,17 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-faults", action="store_true",
                         help="most runs also get a NaN, a bit flip or a slow rank before the kills (train only)")
     args = parser.parse_args(argv)
-    if args.data_faults and (args.program != "train" or args.collective_kills):
-        parser.error("--data-faults: with --program train (the example that reports its gradients' norm)")
-    if args.per_step and args.program == "fsdp":
-        parser.error("--per-step: train or ddp (fsdp.py recovers through DCP checkpoints, committed every few steps)")
-    if args.program == "hybrid" and (args.per_step or args.collective_kills):
-        parser.error("--program hybrid draws its own victims on the mesh (no store, no per-step points)")
-    program = (PROGRAMS[args.program], *ARGS) + (("--per-step",) if args.per_step else ())
-    if args.program == "hybrid":
-        # Without store copies: the expected outcome then follows from the victims alone (twins, CheckFree).
-        program = (PROGRAMS["hybrid"], "--dp", str(MESH[0]), "--pp", str(MESH[1]), "--steps", str(STEPS),
-                   "--commit-every", "0")
+    program = program_of(args, parser)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     keep = args.keep or ROOT / "elastic-run" / f"chaos-{args.seed}"
@@ -334,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = work / f"run-{i}"
         rc, out, seconds = launch(scenario.args(), program + _replication(program, scenario.replication),
                                   run_dir, args.bound)
-        verdict, detail = check(scenario, rc, run_dir, ref)
+        verdict, detail = check(scenario, rc, run_dir, ref, args.program)
         row = {"run": i, **dataclasses.asdict(scenario), "rc": rc, "verdict": verdict, "detail": detail,
                "seconds": round(seconds, 1)}
         rows.append(row)
