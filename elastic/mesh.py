@@ -28,6 +28,7 @@ import dataclasses
 import numpy as np
 
 from elastic.comm import ConfigError, Decision, Group, RebuildContext, RebuildPolicy, Unrecoverable, agreed
+from elastic.comm.runtime import fill
 from elastic.recovery import Policy, plan_mesh_recovery, whole_replicas
 
 __all__ = ["Mesh", "mesh_policy", "without_shrink"]
@@ -143,6 +144,10 @@ class _MeshPolicy:
         dropped = set(range(self.dp)) - set(whole_replicas(self.dp, pp, survivors | lost))  # an earlier shrink
         whole = whole_replicas(self.dp, pp, survivors)
         decision = (self.base if whole else without_shrink(self.base)).decide(context)
+        if not whole and self.copies and _leaves_some(decision, context):  # the spares cannot replace every
+            completed = self._completed(context, pp)  # lost rank: the replicas they make whole, the others out of use
+            if completed is not None:
+                return completed
         if "shrink" in decision.modes:  # all lost ranks' replicas go out of use, none half replaced
             return Decision(("shrink",), f"{decision.reason}; replicas {sorted({r // pp for r in lost})} go out "
                                          f"of use, replicas {whole} carry the global batch")
@@ -154,6 +159,28 @@ class _MeshPolicy:
         return decision
 
 
+    def _completed(self, context: RebuildContext, pp: int) -> Decision | None:
+        """With no whole replica among the survivors and no way to replace every lost rank: the
+        base decision's spares, filling the lowest lost ranks, and a shrink of the rest, where that
+        leaves a whole replica in use; None where it does not. With ``copies`` only: a replaced
+        rank's state then comes from the State (its store, or a twin's shard, ``State(twins=)``),
+        not from a plan of stages this policy can check."""
+        decision = self.base.decide(context)
+        plan = fill(decision.modes, sorted(context.lost_ranks), context.spares)
+        replaced = {r for mode, take in plan if mode != "shrink" for r in take}
+        whole = whole_replicas(self.dp, pp, set(context.active_ranks) | replaced)
+        if not whole or _leaves_some(decision, context):
+            return None
+        return Decision(decision.modes, f"{decision.reason}; replicas {whole} whole again carry the global batch, "
+                                        "the others go out of use")
+
+
+def _leaves_some(decision: Decision, context: RebuildContext) -> bool:
+    """``decision`` cannot give every lost rank a place (the fill rule, as the rebuild applies it)."""
+    taken = {r for _, take in fill(decision.modes, context.lost_ranks, context.spares) for r in take}
+    return bool(set(context.lost_ranks) - taken)
+
+
 def mesh_policy(dp: int, pp: int | None = None, base: Policy | None = None, checkfree_plus: bool = False,
                 copies: bool = False) -> RebuildPolicy:
     """The rebuild policy of a ``dp`` x ``pp`` mesh (``pp`` None: the job's size over ``dp``, for a
@@ -162,8 +189,11 @@ def mesh_policy(dp: int, pp: int | None = None, base: Policy | None = None, chec
     rank's replica out of use (never a replica half replaced, half removed), and a stop before
     any replacement is started when the ranks lost in one rebuild took every replica of a stage
     that CheckFree cannot rebuild, unless ``copies`` (the stages are committed to a store too,
-    ``StageRebuild(commit_every=...)``: which of them still have a copy only the store's recovery
-    tells, after the replacements). (A failure during an earlier rebuild's copy adds its lost
+    ``StageRebuild(commit_every=...)``, or a ``State`` brings each rank's state back, its twins'
+    shards with it, ``State(twins=mesh)``: which of them still have a copy only that recovery
+    tells, after the replacements). With ``copies``, when no replica is whole among the survivors
+    and the modes cannot replace every lost rank, the spares make what replicas they can whole
+    and the others go out of use. (A failure during an earlier rebuild's copy adds its lost
     stages to the next rebuild's plan, which ``StageRebuild`` then finds impossible, after the
     replacements: the same error.)"""
     return _MeshPolicy(base if base is not None else Policy.from_env(), dp, pp, checkfree_plus, copies)

@@ -21,7 +21,8 @@ of a stage die together the job must stop on every rank with ``Unrecoverable``, 
 shards, every step a recovery point, no commits): bitwise with a replacement, the
 loss within 1e-5 after a shrink, and ``DataLost`` on every process exactly when
 both twins of a shard died before the first's replacement took the shard from
-the second. ``--collective-kills``:
+the second, or, as for every program, a rank and every holder of its per-step
+copy (its random streams) died together. ``--collective-kills``:
 every run instead SIGKILLs one random rank at a random step inside that step's
 first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise.
 ``--data-faults``: more than half of the runs also get, before the kills, a data fault on a third
@@ -266,7 +267,7 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict, program: str) -
     outcomes = read_outcomes(run_dir)
     if scenario.mode == "hybrid":
         return check_hybrid(scenario, rc, run_dir, outcomes, ref)
-    expect_loss = twins_lost(run_dir) if program == "zero1" else loss_expected(run_dir, scenario, ref["chunks"])
+    expect_loss = loss_expected(run_dir, scenario, ref["chunks"]) or (program == "zero1" and twins_lost(run_dir))
     if rc == 0:
         if expect_loss:
             return "mismatch", "finished although every holder of some chunk died"

@@ -568,7 +568,7 @@ def test_without_an_older_version_kept_everywhere_a_repeated_non_finite_step_sto
 
 
 def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] | None = None,
-               commit_every: int = 0):
+               commit_every: int = 0, replication: int = 2):
     """ZeRO-1 with twins (``State(per_step=True, twins=mesh)``): ``replicas`` instances of
     ``n / replicas`` shards; each rank draws from its own stream, the gradient of the whole model is
     summed over every rank, each rank updates its shard (moment and master weights, ``opt.<k>.*``)
@@ -586,7 +586,7 @@ def _twin_main(replicas: int = 2, steps: int = STEPS, corrupt: tuple[int, int] |
         bounds = [3 * s for s in range(mesh.pp + 1)]
         w0 = np.linspace(-1.0, 1.0, bounds[-1])
         state = elastic.State(world, per_step=True, twins=mesh, twinned=("opt",), local=("draw",), step=0,
-                              draw=np.array([me + 1], np.int64),
+                              replication=replication, draw=np.array([me + 1], np.int64),
                               **{f"opt.{k}.m": np.zeros(3), f"opt.{k}.p": w0[bounds[k]:bounds[k + 1]].copy()})
         computed = []
 
@@ -751,3 +751,18 @@ def test_losing_both_twins_of_a_shard_with_commits_goes_back_to_the_last_commit_
     assert {(e["ranks"][0], e["version"]) for e in job.of("twins_lost")} == {(1, 0)}  # the program's first
     assert sorted(got[0][1]) == [0, 1, 2, 3, 3, 4, 4, 5, 6, 7]  # steps 3 and 4 done again
     assert not job.of("twin_copied")  # every shard came from the commit
+
+
+def test_one_rank_lost_in_each_instance_and_one_spare_makes_one_instance_whole_and_takes_the_other_out():
+    """Logical ranks 1 and 2 die together (one in each instance) with one spare and no spawn: no
+    instance is whole among the survivors, so the spare completes instance 0 and instance 1 goes
+    out of use; the replacement takes shard 1 from logical rank 3, which idles but keeps it."""
+    from elastic.mesh import mesh_policy
+
+    job = SimJob(4, spares=1, inject="1@3,2@3", rebuild=("spare", "shrink"))
+    job.policy = mesh_policy(2, base=job.policy, copies=True)
+    got = job.run(_twin_main(replication=3))  # with 2, logical rank 1's random stream had its copy on 2 alone
+    assert [(e["mode"], e["replaced"], e["removed"]) for e in job.of("rebuilt")] == [("spare+shrink", [1], [2])]
+    shards = {r: (got[r][0]["m"], got[r][0]["p"]) for r in got}
+    assert sorted(got) == [0, 1, 3] and shards[1] == shards[3] != shards[0]  # twins to the end
+    assert got[3][1] == [0, 1, 2] and [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(1, [3])]
