@@ -14,9 +14,12 @@ RUNS, SEED = 5, 11
 
 
 @pytest.mark.timeout(RUNS * 200)
-def test_a_short_seeded_campaign_has_no_hang_and_no_mismatch():
-    proc = subprocess.run([sys.executable, "scripts/chaos.py", "--runs", str(RUNS), "--seed", str(SEED)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUNS * 200)
+@pytest.mark.parametrize("program, seed", [("train", SEED), ("zero1", 42)])
+def test_a_short_seeded_campaign_has_no_hang_and_no_mismatch(program, seed):
+    """``train``: the data-parallel example, commits every 5 steps; ``zero1``: ZeRO-1 whose shards
+    are kept by twins, every step a recovery point."""
+    proc = subprocess.run([sys.executable, "scripts/chaos.py", "--runs", str(RUNS), "--seed", str(seed),
+                           "--program", program], cwd=ROOT, capture_output=True, text=True, timeout=RUNS * 200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     header, values = proc.stdout.strip().splitlines()[-2:]
     totals = dict(zip(header.split(" | "), values.split(" | ")))
