@@ -22,7 +22,8 @@ import dataclasses
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, TypeVar, cast
+import zlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, Sequence, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -201,10 +202,11 @@ class World:
     def interrupt(self) -> None:
         """Revoke the active communicator (local): every peer leaves what it waits for in it with
         ``ProcessFailure`` (one that waits for this rank's point-to-point message, say)."""
-        try:
-            self._comm.Revoke()
-        except MPI.Exception:
-            pass  # revoked by a peer already
+        for comm in (self._comm, *self.mpi._derived()):
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass  # revoked by a peer already
 
     def fail(self, kind: str, message: str) -> NoReturn:
         """This process fails alone, now (local): recorded as ``kind`` with ``message``, then killed,
@@ -224,7 +226,7 @@ class World:
                 back after a recovery (the same on every process).
         """
         self.events.emit("failure_seen")
-        for comm in (self._comm, self._universe):
+        for comm in (self._comm, self._universe, *self.mpi._derived()):
             try:
                 comm.Revoke()
             except MPI.Exception:
@@ -492,6 +494,7 @@ class WorldMpi:
     def __init__(self, world: World) -> None:
         self._world = world
         self._halo: tuple[MPI.Intracomm, MPI.Intracomm] | None = None  # (this generation's, as HaloComm)
+        self._parts: tuple[MPI.Comm, dict[tuple[int, ...], MPI.Intracomm]] = (MPI.COMM_NULL, {})
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -507,6 +510,29 @@ class WorldMpi:
     def universe(self) -> MPI.Intracomm:
         """Every live process of the job: the active ranks and the parked spares."""
         return self._world._universe
+
+    def part(self, ranks: Sequence[int]) -> MPI.Intracomm:
+        """Some active ranks (current ranks, in the order given) as a communicator of this
+        generation: collective over ``ranks`` the first time in a generation (every one of them
+        asks at the same point of its program), then kept. A recovery or ``interrupt`` on any rank
+        revokes it with ``comm``, so a wait in it ends when a peer leaves for a recovery. For torch
+        process groups over part of the world (HSDP's replicate and shard groups)."""
+        comm = self._world._comm
+        if self._parts[0] is not comm:
+            self._parts = (comm, {})
+        key = tuple(int(r) for r in ranks)
+        made = self._parts[1].get(key)
+        if made is None:
+            # Groups made at once must differ in tag (overlapping ones would mix their messages).
+            tag = zlib.crc32(repr(key).encode()) % 32000 + 1
+            with self.guard():
+                made = comm.Create_group(comm.Get_group().Incl(list(key)), tag)
+            self._parts[1][key] = made
+        return made
+
+    def _derived(self) -> list[MPI.Intracomm]:
+        """This generation's communicators made by ``part``."""
+        return list(self._parts[1].values()) if self._parts[0] is self._world._comm else []
 
     def guard(self) -> contextlib.AbstractContextManager[None]:
         """Context manager around MPI calls on ``comm``: their errors become ``ProcessFailure`` /

@@ -213,7 +213,7 @@ def tensor_array(tensor: Any) -> np.ndarray:
     A GPU tensor is copied once, by DMA, into pinned host memory (torch's caching host allocator
     reuses it commit after commit), which the store then sends from: never through pageable memory."""
     import torch
-    tensor = tensor.detach()
+    tensor = local(tensor).detach()
     if tensor.is_cuda:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor)  # synchronous: the bytes are there when this returns
@@ -244,7 +244,7 @@ def join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None)
     def leaf(path: str, kind: str) -> Any:
         array, mine = arrays[f"{name}.{path}"], have.get(path)
         if kind.startswith("torch:") and mine is not None and is_tensor(mine) and \
-                tuple(mine.shape) == array.shape and torch_kind(mine.dtype) == kind:
+                tuple(local(mine).shape) == array.shape and torch_kind(mine.dtype) == kind:
             copy_into(mine, array)
             return mine
         return from_array(array, kind)
@@ -252,11 +252,20 @@ def join_value(name: str, arrays: Mapping[str, np.ndarray], current: Any = None)
     return wire.join(arrays[f"{name}{STRUCTURE}"], leaf)
 
 
+def local(tensor: Any) -> Any:
+    """A sharded tensor's (a ``DTensor``: FSDP2's parameters and their optimizer state) part on this
+    rank, sharing its memory; any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def copy_into(tensor: Any, array: np.ndarray) -> None:
-    """Copy a (read-only) array into a tensor's memory, once: no intermediate copy."""
+    """Copy a (read-only) array into a tensor's memory (a DTensor's local part), once: no
+    intermediate copy."""
     import warnings
 
     import torch
+    tensor = local(tensor)
     with warnings.catch_warnings():  # torch warns on read-only arrays; the array is only read here
         warnings.simplefilter("ignore", UserWarning)
         source = torch.from_numpy(array)

@@ -17,7 +17,10 @@ complete, its future already holding the result (DDP's buckets go through
 (a spare or a spawned process takes the lost rank's place: same size, same rank
 here), whatever the generation: the communicator is looked up at each call. A
 shrink changes the shape: a call then raises, saying to make a new group
-(``elastic.distributed.ProcessGroup`` does).
+(``elastic.distributed.ProcessGroup`` does). ``dist.new_group`` (``init_device_mesh``'s
+groups, HSDP's replicate and shard dimensions) makes one over some of the ranks, on a
+communicator of them the World makes per generation (``world.mpi.part``) and revokes with
+its own.
 """
 from __future__ import annotations
 
@@ -43,9 +46,14 @@ _abandoned: list[list[MPI.Request]] = []  # requests a failure interrupted
 class MPIGroup(dist.ProcessGroup):
     """The World's active ranks as a ``torch.distributed`` process group (CPU tensors)."""
 
-    def __init__(self, world: World) -> None:
-        super().__init__(world.rank, world.size)  # type: ignore[call-arg]  # the stub lacks this overload
+    def __init__(self, world: World, ranks: Sequence[int] | None = None) -> None:
+        """``ranks``: the World's current ranks this group spans (default every active rank)."""
+        self._ranks = None if ranks is None else tuple(int(r) for r in ranks)
+        rank, size = (world.rank, world.size) if self._ranks is None else \
+            (self._ranks.index(world.rank), len(self._ranks))
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lacks this overload
         self._world = world
+        self._size_at_start = world.size  # the World's, which a subgroup's ranks index
         self._group_name = ""
         self._checked: MPI.Intracomm | None = None  # the communicator whose shape is this group's
 
@@ -58,8 +66,12 @@ class MPIGroup(dist.ProcessGroup):
     def getGroupName(self) -> str:  # DeviceMesh (FSDP2) finds a group by its name
         return self._group_name
 
+    def _set_group_name(self, name: Any) -> None:  # dist.new_group names the groups it makes
+        super()._set_group_name(name)
+        self._group_name = str(name)
+
     def getGroupDesc(self) -> str:
-        return "the World's active ranks"
+        return "the World's active ranks" if self._ranks is None else f"the World's ranks {list(self._ranks)}"
 
     # ------------------------------------------------------------- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -200,6 +212,8 @@ class MPIGroup(dist.ProcessGroup):
         if comm is not self._checked:  # a new generation's communicator
             self._check_shape()
             self._checked = comm
+        if self._ranks is not None:
+            comm = world.mpi.part(self._ranks)
         with world.mpi.guard():
             requests = start(comm)
             try:
@@ -216,6 +230,12 @@ class MPIGroup(dist.ProcessGroup):
 
     def _check_shape(self) -> None:
         world = self._world
+        if self._ranks is not None:
+            if world.size != self._size_at_start or world.rank not in self._ranks:
+                raise Unrecoverable(f"this process group spans the World's ranks {list(self._ranks)} of "
+                                    f"{self._size_at_start}; the job has {world.size} now after a shrink: make new "
+                                    "groups (a new DeviceMesh)")
+            return
         if world.size != self.size() or world.rank != self.rank():
             raise Unrecoverable(f"this process group has {self.size()} ranks (this one {self.rank()}); the job has "
                                 f"{world.size} now (this rank {world.rank}) after a shrink: make a new group "
@@ -276,10 +296,14 @@ def _work(result: list[Any]) -> Any:
 _pending: list[MPIGroup] = []  # the group init_process_group's creator hands over
 
 
-def _create(_options: Any, _backend_options: Any) -> MPIGroup:
-    if not _pending:
+def _create(options: Any, _backend_options: Any) -> MPIGroup:
+    if _pending:
+        return _pending.pop()
+    default = dist.distributed_c10d._world.default_pg if dist.is_initialized() else None
+    if not isinstance(default, MPIGroup):
         raise RuntimeError(f"the {BACKEND} backend is made by elastic.distributed.ProcessGroup (it needs the World)")
-    return _pending.pop()
+    # dist.new_group: a group of some of the default group's ranks, which are the World's
+    return MPIGroup(default._world, options.global_ranks_in_group)
 
 
 def install(group: MPIGroup, timeout: Any) -> None:

@@ -17,6 +17,16 @@ A spare (or a spawned process) gets the lost rank's shards back: the final
 model and optimizer are bitwise those of a failure-free run. After a shrink the
 model is sharded again over the survivors and DCP re-shards the 4-rank
 checkpoint onto 3 ranks; the global batches stay the same.
+
+``--replicas R`` (R >= 2): HSDP instead, ``fully_shard`` over a 2-D (replicate,
+shard) ``DeviceMesh`` of the ``ulfm`` group: R instances of n / R ranks, each
+shard held by one rank of each (its twins, which FSDP2's all-reduce across the
+replicate dimension gives the same gradient bits). Every step a recovery point
+at no copy (``TorchState(per_step=True, shard_optimizer=True, twins=mesh)``): a
+replacement takes its parameter and optimizer shards from its twin, bitwise; no
+DCP checkpoint is needed.
+
+    python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/fsdp.py --steps 40 --replicas 2
 """
 from __future__ import annotations
 
@@ -27,13 +37,14 @@ from typing import Any
 import torch
 import torch._dynamo  # noqa: F401  (FSDP2 imports it on first use: 0.7 s a parked spare pays before, not after, a failure)
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
+from elastic.mesh import Mesh, mesh_policy
 from train import add_arguments, digest, make_model, report, setup, step_done, step_tally
 
 
@@ -52,11 +63,63 @@ class Checkpointable:
                        optim_state_dict=state_dict["optim"])
 
 
+def hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> int:
+    """``--replicas R``: HSDP, each shard kept by its twins, every step a recovery point."""
+    world = elastic.init(policy=mesh_policy(args.replicas, copies=True))
+    torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
+    group = elastic.distributed.ProcessGroup(world)
+    group.group  # noqa: B018  (the default group, which the mesh's groups divide)
+    twins = Mesh(world, args.replicas, world.job.initial_size // args.replicas)  # logical rank r: (r // pp, r % pp)
+    mesh = init_device_mesh("cpu", (twins.dp, twins.pp), mesh_dim_names=("replicate", "shard"))
+    with torch.random.fork_rng():  # make_model seeds: keep this rank's dropout stream
+        model = make_model(args)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    _init_optim_state(optimizer)  # torch's own (DCP's loader does it): the state a twin's is copied into
+    state = elastic.TorchState(world, model=model, optimizer=optimizer, per_step=True, shard_optimizer=True,
+                               twins=twins, twinned=("model",), replication=args.replication, step=0,
+                               loss=float("nan"))
+    batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+
+    @elastic.run
+    def train(world: elastic.World, state: elastic.TorchState) -> float:
+        if ran:  # a failure cut a forward or backward short here: FSDP2's own recovery
+            model.reset_iter_state()
+        while state.step < args.steps:
+            world.fault_point(state.step)
+            ran.append(state.step)
+            optimizer.zero_grad(set_to_none=True)  # the root's unsharded gradients too
+            mine = batches.shard(state.step, world)
+            idx = torch.from_numpy(mine)
+            share = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum")
+            (share * world.size / args.batch).backward()  # reduce-scatter, then all-reduce over the twins
+            tally = step_tally(world, float(share.detach()), mine, args)
+            optimizer.step()  # the step point first (TorchState's hook): from there the step is local
+            step_done(state, tally, args)
+        full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
+        hashes.update(model_sha256=digest(get_model_state_dict(model, options=full)),
+                      optimizer_sha256=digest(get_optimizer_state_dict(model, optimizer, options=full)))
+        return state.loss
+
+    hashes: dict[str, str] = {}
+    ran: list[int] = []  # the steps this process began
+    loss = train(world, state)
+    report(world, state, loss, **hashes)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="HSDP: instances, each shard held by one rank of each (1: FSDP2 over every rank)")
     args = parser.parse_args()
     x, y, _ = setup(args)  # the data; the model is sharded for each world size below
+    if args.replicas > 1:
+        return hsdp(args, x, y)
     world = elastic.init()
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     group = elastic.distributed.ProcessGroup(world)

@@ -131,6 +131,25 @@ def test_fsdp_with_a_peer_stopped_inside_a_reduce_scatter_recovers_bitwise(tmp_p
     assert "then hung (no heartbeat for 3.0 s), killed by its sentinel" in job.output
 
 
+HSDP = FSDP + ("--replicas", "2")  # 2 x 2 (replicate, shard): each shard on two twins, every step a point
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("inject", ["1@c13", "2@u13"])
+def test_fsdp2_hsdp_twins_give_a_replacement_its_shards_bitwise(tmp_path, reference, inject):
+    """HSDP on the ulfm group's 2-D mesh: logical rank 1 dies inside step 13's reduce-scatter, or
+    logical rank 2 inside step 13's optimizer update (past its point, its twin finished it); the
+    spare takes the parameter and optimizer shards from its twin and the run ends bitwise the
+    failure-free one, no step done twice, no DCP checkpoint and no shard byte in the store."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=HSDP)
+    assert_bitwise(job, reference(HSDP), "optimizer_sha256")
+    lost = int(inject[0])
+    row = timeline(job.events)[0]
+    assert row["failed"] == [lost] and row["redone"] == 0
+    assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(lost, [(lost + 2) % 4])]
+    assert all(e["replicated_bytes"] == e["payload_bytes"] < 32768 for e in job.of("committed"))
+
+
 def test_a_dead_peer_in_a_gloo_collective_is_a_process_failure():
     from elastic.distributed import is_peer_failure
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]")
