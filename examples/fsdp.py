@@ -27,6 +27,10 @@ replacement takes its parameter and optimizer shards from its twin, bitwise; no
 DCP checkpoint is needed.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/fsdp.py --steps 40 --replicas 2
+
+It recovers by replacement only (a spare, else a spawned process, whatever
+``--rebuild`` says): a shrink would need a new mesh over the instances left,
+not built here yet.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-from elastic.mesh import Mesh, mesh_policy
+import elastic.recovery
+from elastic.mesh import Mesh, mesh_policy, without_shrink
 from train import add_arguments, digest, make_model, report, setup, step_done, step_tally
 
 
@@ -65,7 +70,10 @@ class Checkpointable:
 
 def hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> int:
     """``--replicas R``: HSDP, each shard kept by its twins, every step a recovery point."""
-    world = elastic.init(policy=mesh_policy(args.replicas, copies=True))
+    # Recovery by replacement only (a spare, else a spawn): a shrink would need a new DeviceMesh over the
+    # instances left, which this example does not build yet.
+    world = elastic.init(policy=mesh_policy(args.replicas, base=without_shrink(elastic.recovery.Policy.from_env()),
+                                            copies=True))
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     group = elastic.distributed.ProcessGroup(world)
     group.group  # noqa: B018  (the default group, which the mesh's groups divide)
