@@ -53,8 +53,9 @@ class RecoveryPoint(Protocol):
         """A failure: the step in flight was abandoned."""
         ...
 
-    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
-        """Make ``optimizer``'s ``step()`` call ``step_point`` first, where the strategy wants that."""
+    def hook(self, name: str, optimizer: Any, step_point: Callable[[], None]) -> None:
+        """Make ``optimizer``'s ``step()`` call ``step_point`` first, where the strategy wants that
+        (``name``: the value it is bound as; binding another optimizer there unhooks the last)."""
         ...
 
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
@@ -106,7 +107,7 @@ class EveryCommit:
     def interrupted(self) -> None:
         pass
 
-    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
+    def hook(self, name: str, optimizer: Any, step_point: Callable[[], None]) -> None:
         pass
 
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
@@ -141,7 +142,7 @@ class EveryStep:
         self._world = world
         self._in_step = False  # between a step point and the step's end (record_step)
         self._calls = 0        # world.job.collectives right after the last step point
-        self._hooked = False
+        self._hooked: tuple[str, Any] | None = None  # the optimizer's name and its hook's handle
 
     def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
         return capture.unique, []  # the live shared values are their recovery point
@@ -171,13 +172,14 @@ class EveryStep:
     def interrupted(self) -> None:
         self._in_step = False  # only local work was left of it
 
-    def hook(self, optimizer: Any, step_point: Callable[[], None]) -> None:
-        if self._hooked:
+    def hook(self, name: str, optimizer: Any, step_point: Callable[[], None]) -> None:
+        if self._hooked is not None and self._hooked[0] != name:
             raise ConfigError("per_step=True takes one optimizer: its step() is each step's recovery "
                               "point; with more, make the TorchState with per_step=False, or a State "
                               "with per_step=True and call state.step_point() before the first update")
-        self._hooked = True
-        optimizer.register_step_pre_hook(lambda *_: step_point())
+        if self._hooked is not None:
+            self._hooked[1].remove()  # bound again (a model built anew after a shrink): the new one's
+        self._hooked = (name, optimizer.register_step_pre_hook(lambda *_: step_point()))
 
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
                     lacking: Sequence[int]) -> dict[str, np.ndarray] | None:

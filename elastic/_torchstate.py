@@ -65,7 +65,7 @@ class TorchState(State):
             if isinstance(held, Held):
                 self._handlers[key].apply(key, held.value)
             if handler is Stateful:
-                self._point.hook(obj, self.step_point)
+                self._point.hook(key, obj, self.step_point)
 
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""

@@ -28,9 +28,7 @@ DCP checkpoint is needed.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/fsdp.py --steps 40 --replicas 2
 
-It recovers by replacement only (a spare, else a spawned process, whatever
-``--rebuild`` says): a shrink would need a new mesh over the instances left,
-not built here yet.
+A shrink takes the lost rank's instance out of use (``Hsdp``).
 """
 from __future__ import annotations
 
@@ -38,18 +36,18 @@ import argparse
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  (FSDP2 imports it on first use: 0.7 s a parked spare pays before, not after, a failure)
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-import elastic.recovery
-from elastic.mesh import Mesh, mesh_policy, without_shrink
+from elastic.mesh import Mesh, mesh_policy
 from train import add_arguments, digest, make_model, report, setup, step_done, step_tally
 
 
@@ -68,55 +66,127 @@ class Checkpointable:
                        optim_state_dict=state_dict["optim"])
 
 
+class Hsdp:
+    """``--replicas R``: HSDP, each shard kept by its twins, every step a recovery point.
+
+    The model is sharded over the instances in use: a 2-D (replicate, shard) ``DeviceMesh`` of the
+    ``ulfm`` group, made again for each shape of the World. A shrink takes the lost rank's instance
+    out of use: the instances left carry the global batch, and a surviving rank of the instance
+    taken out computes nothing but keeps its shards in step, twin to the end: its twin in use sends
+    it the step's reduced gradient shard and it takes the same optimizer step."""
+
+    def __init__(self, args: argparse.Namespace, world: elastic.World) -> None:
+        self.args, self.world = args, world
+        self.group = elastic.distributed.ProcessGroup(world)
+        self.twins = Mesh(world, args.replicas, world.job.initial_size // args.replicas)  # k: (k // pp, k % pp)
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.size = 0  # the World's size the model is sharded for
+        self.build()
+
+    def build(self) -> None:
+        """The model sharded over the instances in use, its shards (and the optimizer's) those this
+        rank held, if any; a rank of an instance out of use keeps what it has."""
+        twins = self.twins
+        self.group.group  # noqa: B018  (the default group of this shape, which the mesh's groups divide)
+        hosts = [[twins.rank_of(d, s) for s in range(twins.pp)] for d in twins.in_use]
+        mesh = DeviceMesh("cpu", torch.tensor(hosts), mesh_dim_names=("replicate", "shard"))  # every rank makes it
+        self.size = self.world.size
+        if not twins.working:
+            return
+        with torch.random.fork_rng():  # make_model seeds: keep this rank's dropout stream
+            model = make_model(self.args)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.args.lr)
+        _init_optim_state(optimizer)  # torch's own (DCP's loader does it): the state a twin's is copied into
+        if self.model is not None and self.optimizer is not None:  # the same local shards, on the new mesh
+            with torch.no_grad():
+                for new, old in zip(model.parameters(), self.model.parameters()):
+                    new.to_local().copy_(old.to_local())
+                    for key, value in self.optimizer.state[old].items():  # moments (sharded), step counts
+                        mine = optimizer.state[new][key]
+                        if hasattr(value, "to_local"):
+                            mine.to_local().copy_(value.to_local())
+                        else:
+                            mine.copy_(value)
+        self.model, self.optimizer = model, optimizer
+
+    def pass_gradients(self, step: int) -> None:
+        """Each stage's reduced gradient shard, from its twin in the first instance in use to the
+        surviving ranks of the instances out of use (point to point; none before a shrink)."""
+        twins, world = self.twins, self.world
+        idle = [(rank, int(k)) for rank, k in enumerate(world.logical_ranks) if int(k) // twins.pp not in twins.in_use]
+        if not idle:
+            return
+        assert self.model is not None
+        grads = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to_local().detach().numpy())
+        if twins.working and twins.replica == twins.in_use[0]:
+            world.neighbors([(rank, i, g) for rank, k in idle if k % twins.pp == twins.stage
+                             for i, g in enumerate(grads)], [], step)
+        elif not twins.working:
+            sender = twins.rank_of(twins.in_use[0], twins.stage)
+            world.neighbors([], [(sender, i, g) for i, g in enumerate(grads)], step)
+
+    def train(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        args, world, twins = self.args, self.world, self.twins
+        assert self.model is not None and self.optimizer is not None
+        state = elastic.TorchState(world, model=self.model, optimizer=self.optimizer, per_step=True,
+                                   shard_optimizer=True, twins=twins, twinned=("model",),
+                                   replication=args.replication, step=0, loss=float("nan"))
+        batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+        ran: list[int] = []  # the steps this process began
+        hashes: dict[str, str] = {}
+
+        @elastic.run
+        def train(world: elastic.World, state: elastic.TorchState) -> float:
+            if self.size != world.size:  # a shrink: the instances left, on a mesh of their own
+                self.build()
+                if twins.working:
+                    state.bind("", self.model, self.optimizer)
+            elif ran and twins.working:  # a failure cut a forward or backward short here: FSDP2's own recovery
+                self.model.reset_iter_state()
+            model, optimizer = self.model, self.optimizer
+            assert model is not None and optimizer is not None
+            while state.step < args.steps:
+                world.fault_point(state.step)
+                ran.append(state.step)
+                working = [twins.rank_of(d, s) for d in twins.in_use for s in range(twins.pp)]
+                mine, share = np.array([], np.int64), torch.zeros(())
+                if twins.working:
+                    optimizer.zero_grad(set_to_none=True)  # the root's unsharded gradients too
+                    mine = np.array_split(batches.batch(state.step), len(working))[working.index(world.rank)]
+                    idx = torch.from_numpy(mine)
+                    share = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum")
+                    # FSDP2 averages over the mesh: reduce-scatter over the shard dimension, all-reduce over twins
+                    (share * len(working) / args.batch).backward()
+                self.pass_gradients(state.step)
+                tally = step_tally(world, float(share.detach()), mine, args)
+                optimizer.step()  # the step point first (TorchState's hook): from there the step is local
+                step_done(state, tally, args)
+            if twins.working:  # collective over the mesh: its ranks gather the whole model
+                full = StateDictOptions(full_state_dict=True)
+                hashes.update(model_sha256=digest(get_model_state_dict(model, options=full)),
+                              optimizer_sha256=digest(get_optimizer_state_dict(model, optimizer, options=full)))
+            return state.loss
+
+        loss = train(world, state)
+        told = next(h for h in world.allgather(hashes) if h)  # from the ranks in use
+        report(world, state, loss, **told)
+        return 0
+
+
 def hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> int:
-    """``--replicas R``: HSDP, each shard kept by its twins, every step a recovery point."""
-    # Recovery by replacement only (a spare, else a spawn): a shrink would need a new DeviceMesh over the
-    # instances left, which this example does not build yet.
-    world = elastic.init(policy=mesh_policy(args.replicas, base=without_shrink(elastic.recovery.Policy.from_env()),
-                                            copies=True))
+    """``--replicas R``: HSDP (``Hsdp``)."""
+    world = elastic.init(policy=mesh_policy(args.replicas, copies=True))
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
-    group = elastic.distributed.ProcessGroup(world)
-    group.group  # noqa: B018  (the default group, which the mesh's groups divide)
-    twins = Mesh(world, args.replicas, world.job.initial_size // args.replicas)  # logical rank r: (r // pp, r % pp)
-    mesh = init_device_mesh("cpu", (twins.dp, twins.pp), mesh_dim_names=("replicate", "shard"))
-    with torch.random.fork_rng():  # make_model seeds: keep this rank's dropout stream
-        model = make_model(args)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    _init_optim_state(optimizer)  # torch's own (DCP's loader does it): the state a twin's is copied into
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, per_step=True, shard_optimizer=True,
-                               twins=twins, twinned=("model",), replication=args.replication, step=0,
-                               loss=float("nan"))
-    batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
-
-    @elastic.run
-    def train(world: elastic.World, state: elastic.TorchState) -> float:
-        if ran:  # a failure cut a forward or backward short here: FSDP2's own recovery
-            model.reset_iter_state()
-        while state.step < args.steps:
-            world.fault_point(state.step)
-            ran.append(state.step)
-            optimizer.zero_grad(set_to_none=True)  # the root's unsharded gradients too
-            mine = batches.shard(state.step, world)
-            idx = torch.from_numpy(mine)
-            share = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum")
-            (share * world.size / args.batch).backward()  # reduce-scatter, then all-reduce over the twins
-            tally = step_tally(world, float(share.detach()), mine, args)
-            optimizer.step()  # the step point first (TorchState's hook): from there the step is local
-            step_done(state, tally, args)
-        full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
-        hashes.update(model_sha256=digest(get_model_state_dict(model, options=full)),
-                      optimizer_sha256=digest(get_optimizer_state_dict(model, optimizer, options=full)))
-        return state.loss
-
-    hashes: dict[str, str] = {}
-    ran: list[int] = []  # the steps this process began
-    loss = train(world, state)
-    report(world, state, loss, **hashes)
-    return 0
+    return Hsdp(args, world).train(x, y)
 
 
 def main() -> int:

@@ -150,6 +150,19 @@ def test_fsdp2_hsdp_twins_give_a_replacement_its_shards_bitwise(tmp_path, refere
     assert all(e["replicated_bytes"] == e["payload_bytes"] < 32768 for e in job.of("committed"))
 
 
+@pytest.mark.fault
+def test_fsdp2_hsdp_shrink_takes_the_instance_out_and_its_survivor_stays_a_twin(tmp_path, reference):
+    """Logical rank 1 dies without a spare: instance 0 goes out of use, instance 1 gets a mesh of its
+    own and carries the global batch (the loss within 1e-5 of the failure-free run, the same samples
+    every step); logical rank 0 computes nothing but takes each step's gradient shard from its twin,
+    and the twins compare their shards every step (--twin-check-every 1) without a difference."""
+    ref = reference(HSDP)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--twin-check-every", "1", "--inject", "1@13", program=HSDP)
+    _assert_shrunk_on_the_same_batches(job, ref, steps=30)
+    assert [(e["mode"], e["removed"]) for e in job.of("rebuilt")][:1] == [("shrink", [1])]
+    assert not job.of("integrity")
+
+
 def test_a_dead_peer_in_a_gloo_collective_is_a_process_failure():
     from elastic.distributed import is_peer_failure
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]")
