@@ -51,6 +51,7 @@ EVENTS: dict[str, str] = {
     "corrupt_copy": "a copy failed its checksum and was not used",
     "shared_copied": "the values every rank holds alike went to replacements, from the survivors",
     "twin_copied": "a replacement got its shard from its live twins (State(twins=...)), senders named",
+    "twins_colocated": "a rank's twins share its failure domain in a job that spans several (a warning)",
     "twins_lost": "every twin of some shards died at once: every rank went back to the program's last commit",
     # the layers above
     "step": "one training step (loss, seconds, samples)", "process_group": "torch.distributed was (re)built",

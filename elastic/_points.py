@@ -11,6 +11,7 @@ store does its ``Backing``. Pick one with ``recovery_point``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -19,6 +20,8 @@ from elastic.comm import ConfigError, Group, agreed
 from elastic.recovery import Adopt, DataLost, ReplicatedStore, share_within
 
 from ._capture import Capture
+
+_LOG = logging.getLogger("elastic")
 
 Store = Callable[[dict[str, np.ndarray]], None]  # commits the arrays as the next version (collective)
 
@@ -209,6 +212,7 @@ class TwinSteps(EveryStep):
         super().__init__(world)
         self._twins = twins
         self._commits = commits  # the program's commit()s, every value: the way back when every twin dies
+        _say_shared_domains(world, twins)
 
     def committed(self, capture: Capture, program: bool) -> None:
         super().committed(capture, program)
@@ -241,6 +245,26 @@ class TwinSteps(EveryStep):
                                   "holds it"))
         world.events.emit("twins_lost", ranks=list(orphans), version=self._commits.version)
         return self._commits.restore()
+
+
+def _say_shared_domains(world: Group, twins: Twins) -> None:
+    """Warn (local, once per rank) when a twin of this rank's shard shares its failure domain (the
+    job's ``domains``, else its host) in a job that spans several: that domain's loss takes the
+    shard's every copy there. A job on one host has no other place for them."""
+    me, names = int(world.logical_rank), world.job.settings.domains
+    if names:
+        domain_of = {r: names[r % len(names)] for r in range(world.job.initial_size)}
+        spans, same = len(set(domain_of.values())) > 1, [h for h in twins.holders(me) if h != me
+                                                         and domain_of[h] == domain_of[me]]
+    else:
+        peers = set(world.job.host_peers)
+        spans, same = len(peers) < world.size, [h for h in twins.holders(me) if h != me and h in peers]
+    if spans and same:
+        world.events.emit("twins_colocated", twins=[me, *same])
+        _LOG.warning("[elastic] logical rank %d and its twins %s share a failure domain: losing it loses their "
+                     "shard's copies there. Place each instance on its own nodes (the mesh's replica r is logical "
+                     "ranks r * n/R .. (r + 1) * n/R - 1: map ranks to nodes in blocks, e.g. mpirun --map-by "
+                     "ppr:K:node)", me, same)
 
 
 def recovery_point(world: Group, per_step: bool, twins: Twins | None = None,

@@ -766,3 +766,16 @@ def test_one_rank_lost_in_each_instance_and_one_spare_makes_one_instance_whole_a
     shards = {r: (got[r][0]["m"], got[r][0]["p"]) for r in got}
     assert sorted(got) == [0, 1, 3] and shards[1] == shards[3] != shards[0]  # twins to the end
     assert got[3][1] == [0, 1, 2] and [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(1, [3])]
+
+
+def test_twins_sharing_a_failure_domain_in_a_job_that_spans_several_are_said_once_on_each_rank():
+    """Failure domains dealt round robin over two names put logical ranks 0 and 2 (the twins of
+    shard 0) in domain a, and 1 and 3 in b: each rank warns, naming its twin. Dealt in blocks
+    (a, a, b, b after a 4-name list), every shard's twins are apart: nothing is said."""
+    job = SimJob(4, domains=("a", "b"))
+    job.run(_twin_main(steps=2))
+    assert sorted((e["logical"], tuple(e["twins"])) for e in job.of("twins_colocated")) == \
+        [(0, (0, 2)), (1, (1, 3)), (2, (2, 0)), (3, (3, 1))]
+    apart = SimJob(4, domains=("a", "a", "b", "b"))
+    apart.run(_twin_main(steps=2))
+    assert not apart.of("twins_colocated")
