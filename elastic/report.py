@@ -101,10 +101,12 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
             "resume": 1e3 * (first_after["t"] - restored_t) if first_after else None,
             "down": 1e3 * (first_after["t"] - start) if first_after else None,
             "redone": max(last_before - (first_after["step"] - 1), 0) if first_after else None,
-            # The store's bytes (each rank's) and the shared values copied to replacements (told
-            # alike by every rank: once).
+            # The store's bytes (each rank's), the shared values copied to replacements (told
+            # alike by every rank: once), and the shards replacements took from their twins (each
+            # replacement's).
             "bytes": sum(e["bytes_moved"] for e in restored) + max(
-                (e["bytes"] for e in of if e["event"] == "shared_copied"), default=0) if restored else None,
+                (e["bytes"] for e in of if e["event"] == "shared_copied"), default=0) + sum(
+                e["bytes"] for e in of if e["event"] == "twin_copied") if restored else None,
             "causes": rebuilt[0].get("causes", []),
             "size": rebuilt[0]["size"],
             "t_failure": start,

@@ -213,6 +213,7 @@ def test_zero1_twins_a_lost_shard_comes_back_from_its_twin_bitwise_and_no_step_i
     row = single_rebuild(job)
     assert row["failed"] == [lost] and row["mode"] == "spare" and row["redone"] == 0
     assert [(e["logical"], e["senders"]) for e in job.of("twin_copied")] == [(lost, [(lost + 2) % 4])]
+    assert row["bytes"] >= job.of("twin_copied")[0]["bytes"] > 400_000  # the report counts the shard's bytes
     # Each step point replicated the random streams and the index (15 KB): the shard (445 KB a rank) never.
     assert all(e["replicated_bytes"] == e["payload_bytes"] < 32768 for e in job.of("committed"))
 
