@@ -73,17 +73,21 @@ def main() -> int:
     x = x_prev = np.zeros(len(b))
     step = 0
     needs_sync = world.role is Role.RECOVERED
+    clock = elastic.StepClock(world)  # step events: the report's ETTR, down time and steps redone
+    clock.restart()
     while True:
         try:
             if needs_sync:
                 step, x, x_prev = resync(world, step, x, x_prev)
                 needs_sync = False
+                clock.restart()  # the recovery is not a step's time
             if step == args.steps:
                 world.finish()
                 break
             world.fault_point(step)
             x_prev, x = x, step_once(world, a, b, x, args.rows, step)
             step += 1
+            clock.step_done(step, total=args.steps)
         except elastic.ProcessFailure:
             rebuild = world.recover()
             needs_sync = True

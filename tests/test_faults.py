@@ -11,6 +11,7 @@ import json
 import pytest
 
 from conftest import JOB_TIMEOUT, ROOT, launch
+from elastic.report import ettr, timeline
 
 pytestmark = pytest.mark.fault
 
@@ -36,6 +37,10 @@ def test_spare_replaces_killed_rank(elastic_launch, reference_hash):
     assert [e["logical"] for e in promoted] == [1]
     assert job.result["x_sha256"] == reference_hash
     assert job.result["size"] == 4
+    # A World-level program that times its steps (elastic.StepClock) gets the report's ETTR and
+    # the recovery's down time, as a State program does.
+    row = timeline(job.events)[0]
+    assert row["down"] > 0 and row["redone"] in (0, 1) and 0 < ettr(job.events) < 1
 
 
 def test_two_simultaneous_kills_shrink(tmp_path, reference_hash):
