@@ -67,7 +67,35 @@ class TorchState(State):
             if handler is Stateful:
                 self._point.hook(key, obj, self.step_point)
 
+    def _recover(self) -> None:
+        for handler in self._handlers.values():
+            if isinstance(handler, Module):
+                end_iteration(handler.value)
+        super()._recover()
+
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
         return sorted(n.removesuffix(".model") for n, h in self._handlers.items()
                       if isinstance(h, Held) and h.label == Module.label and n.endswith(".model"))
+
+
+def end_iteration(model: Any) -> None:
+    """What a failure in the middle of a step leaves in a model, gone (local): FSDP2's per-iteration
+    state (its own ``reset_iter_state``, on the root, once a forward made it) and every gradient,
+    the unsharded ones FSDP2 keeps for the parameters its root unit owns included (torch 2.13's
+    reset leaves them, and the next backward would add to them: a transformer's embedding, final
+    norm and head). Gradients are not state: a step redone computes them again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        state = model._get_fsdp_state()
+        if hasattr(getattr(state, "_comm_ctx", None), "all_gather_state"):  # made at the first forward
+            model.reset_iter_state()
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    if getattr(param, "_unsharded_param", None) is not None:
+                        param._unsharded_param.grad = None
+                    param.unsharded_accumulated_grad = None
+    for parameter in model.parameters():
+        parameter.grad = None

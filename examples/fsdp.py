@@ -97,9 +97,9 @@ class Hsdp:
         with torch.random.fork_rng():  # make_model seeds: keep this rank's dropout stream
             model = make_model(self.args)
         for layer in model:
-            if isinstance(layer, torch.nn.Linear):
+            if isinstance(layer, torch.nn.Linear) and not (self.args.root_params and layer is model[-1]):
                 fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # with --root-params the root unit holds the head's parameters
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.args.lr)
         _init_optim_state(optimizer)  # torch's own (DCP's loader does it): the state a twin's is copied into
         if self.model is not None and self.optimizer is not None:  # the same local shards, on the new mesh
@@ -141,7 +141,6 @@ class Hsdp:
                                    shard_optimizer=True, twins=twins, twinned=("model",),
                                    replication=args.replication, step=0, loss=float("nan"))
         batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
-        ran: list[int] = []  # the steps this process began
         hashes: dict[str, str] = {}
 
         @elastic.run
@@ -150,13 +149,10 @@ class Hsdp:
                 self.build()
                 if twins.working:
                     state.bind("", self.model, self.optimizer)
-            elif ran and twins.working:  # a failure cut a forward or backward short here: FSDP2's own recovery
-                self.model.reset_iter_state()
             model, optimizer = self.model, self.optimizer
             assert model is not None and optimizer is not None
             while state.step < args.steps:
                 world.fault_point(state.step)
-                ran.append(state.step)
                 working = [twins.rank_of(d, s) for d in twins.in_use for s in range(twins.pp)]
                 mine, share = np.array([], np.int64), torch.zeros(())
                 if twins.working:
@@ -192,6 +188,9 @@ def hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("--root-params", action="store_true",
+                        help="--replicas: leave the head in the root unit (a transformer's root owns its embedding, "
+                             "final norm and head), as the official FSDP2 example does")
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP: instances, each shard held by one rank of each (1: FSDP2 over every rank)")
     args = parser.parse_args()

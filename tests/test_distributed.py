@@ -135,13 +135,17 @@ HSDP = FSDP + ("--replicas", "2")  # 2 x 2 (replicate, shard): each shard on two
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("inject", ["1@c13", "2@u13"])
-def test_fsdp2_hsdp_twins_give_a_replacement_its_shards_bitwise(tmp_path, reference, inject):
-    """HSDP on the ulfm group's 2-D mesh: logical rank 1 dies inside step 13's reduce-scatter, or
-    logical rank 2 inside step 13's optimizer update (past its point, its twin finished it); the
-    spare takes the parameter and optimizer shards from its twin and the run ends bitwise the
-    failure-free one, no step done twice, no DCP checkpoint and no shard byte in the store."""
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=HSDP)
+@pytest.mark.parametrize("inject, root", [("1@c13", True), ("1@13", True), ("2@u13", False)])
+def test_fsdp2_hsdp_twins_give_a_replacement_its_shards_bitwise(tmp_path, reference, inject, root):
+    """HSDP on the ulfm group's 2-D mesh: logical rank 1 dies inside step 13's reduce-scatter or at
+    its start (its twins then still run the backward), or logical rank 2 inside step 13's optimizer
+    update (past its point, its twin finished it); the spare takes the parameter and optimizer
+    shards from its twin and the run ends bitwise the failure-free one, no step done twice, no DCP
+    checkpoint and no shard byte in the store. ``root``: the head stays in the root unit, whose
+    unsharded gradients a cut backward leaves behind (TorchState clears them on recovery; the
+    program calls nothing FSDP2-specific)."""
+    program = HSDP + (("--root-params",) if root else ())
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=program)
     assert_bitwise(job, reference(HSDP), "optimizer_sha256")
     lost = int(inject[0])
     row = timeline(job.events)[0]
