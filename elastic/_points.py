@@ -78,7 +78,7 @@ class RecoveryPoint(Protocol):
 
 
 class Twins(Protocol):
-    """Which ranks hold the same shard (``elastic.Mesh``: the replicas of a stage)."""
+    """Which ranks hold the same shard (``elastic.mesh.Mesh``: the replicas of a stage)."""
 
     def holders(self, logical: int) -> list[int]:
         """The logical ranks that hold ``logical``'s shard, itself included."""

@@ -60,10 +60,11 @@ class State:
             Each costs the memory of one more version.
         twins, twinned: sharded state held by twins (with ``per_step``): ``twinned`` names the
             values (or first dotted parts) that this rank's twins, ``twins.holders(rank)`` (an
-            ``elastic.Mesh``: the replicas of a stage), hold alike and update alike every step (an
+            ``elastic.mesh.Mesh``: the replicas of a stage), hold alike and update alike every step (an
             optimizer shard). They are never copied at a step point; a replacement gets them from a
-            live twin (``DataLost`` naming the shard when every twin died at once). Without
-            ``per_step`` they are committed as ``local`` values are.
+            live twin. Every twin of a shard dead at once: back to the program's last ``commit()``,
+            else ``DataLost`` naming the shard. Without ``per_step`` they are committed as ``local``
+            values are.
     """
 
     def __init__(self, world: Recoverable, *, replication: int = 2, local: tuple[str, ...] = (),
@@ -72,7 +73,7 @@ class State:
                  **values: Any) -> None:
         if (twins is None) != (not twinned):
             raise ConfigError("twins= and twinned= go together: twinned names the values a shard's twins hold "
-                              "alike, twins (an elastic.Mesh) says which ranks those are")
+                              "alike, twins (an elastic.mesh.Mesh) says which ranks those are")
         self._world = world
         settings = Training.of(world)
         keep = settings.keep_versions if keep_versions is None else keep_versions

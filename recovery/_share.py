@@ -77,9 +77,9 @@ def share_within(world: Group, arrays: Mapping[str, np.ndarray],
                  receivers: Mapping[int, Sequence[int]]) -> dict[str, np.ndarray] | None:
     """Copy to each logical rank in ``receivers`` the ``arrays`` its listed logical ranks hold alike
     (its twins: the same shard), each of them sending an equal part (collective over the active
-    ranks; every rank passes the same ``receivers``, each with at least one live sender). Returns,
-    on a receiver, the arrays (its own, writable; what it passed gives nothing but the names'
-    order); None elsewhere.
+    ranks; every rank passes the same ``receivers``, each with at least one live sender; a
+    receiver's own ``arrays`` are not read: the first sender's manifest says what comes). Returns,
+    on a receiver, the arrays (its own, writable); None elsewhere.
 
     Raises:
         ProcessFailure: a rank failed during the transfer (on every rank: a vote).

@@ -463,8 +463,10 @@ def test_per_step_misuse_is_refused_saying_what_to_do():
     world = SimJob(2).rank(0)
     with pytest.raises(elastic.ConfigError, match="make the State with per_step=True"):
         elastic.State(world, step=0).step_point()
-    with pytest.raises(elastic.ConfigError, match="a sharded optimizer"):
+    with pytest.raises(elastic.ConfigError, match="a sharded optimizer.*give twins="):
         elastic.TorchState(world, per_step=True, shard_optimizer=True)
+    with pytest.raises(elastic.ConfigError, match="twins= and twinned= go together"):
+        elastic.State(world, per_step=True, twinned=("adam",), step=0)
 
 
 def test_ranks_whose_own_values_have_other_names_share_only_what_they_hold_alike():
