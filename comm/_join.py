@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Mapping, cast
+from typing import Any, Callable, Mapping, cast
 
 from mpi4py import MPI
 
@@ -43,7 +43,8 @@ def _process_began() -> float:
 
 
 def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
-         environ: Mapping[str, str] | None = None, **settings: Any) -> World:
+         environ: Mapping[str, str] | None = None, before_parking: Callable[[World], None] | None = None,
+         **settings: Any) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
@@ -54,6 +55,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
             policy its own ``init`` is given (nothing of it travels between processes).
         environ: where the layers above read their own settings (``job.environ``; default
             ``os.environ``); a spawned replacement gets its parents' ``ELASTIC_*`` variables.
+        before_parking: a spare calls it once, with its World, before it parks (local: the spare
+            has no active communicator yet; a rebuild that needs it waits until it parks).
 
     Returns the World on an active rank. A spare returns only once promoted
     (role RECOVERED), or exits when the job finishes without needing it. A
@@ -116,6 +119,8 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
     if relaunch is not None and rebuild is not None:  # the report's timeline: a recovery by a relaunch
         world._announce(rebuild, lost_nodes=relaunch.lost_nodes)
     if role is Role.SPARE:
+        if before_parking is not None:
+            before_parking(world)
         world._park()
     else:
         world._export_env()

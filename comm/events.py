@@ -31,6 +31,7 @@ EVENTS: dict[str, str] = {
     # a process's life
     "started": "joined the job at launch (size, spares, modes, sentinel; relaunch: its count)",
     "spawned": "a spawned replacement started and is about to join its parents' rebuild",
+    "rehearsed": "a spare ran the program's rehearsal before it parked (ok, seconds; error)",
     "parked": "a spare began waiting", "promoted": "a spare took over a lost logical rank",
     "released": "a spare was let go at the end of the job", "finished": "the job finished on this rank",
     "error": "an error ends this rank (scope rank) or the whole job alike (scope job)",

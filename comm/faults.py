@@ -4,17 +4,20 @@ A schedule comes from ``ELASTIC_INJECT``: a JSON list (inline or a file path)
 of ``{"rank": 1, "step": 3, "point": "step", "action": "kill", "gen": 0}``, or
 the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
 ``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
-``2@c5:hang`` (hang in the middle of step 5's collective), ``1@u5`` (die inside
-step 5's update, past its per-step recovery point), ``3@rebuild/g0``
+``2@c5:hang`` (hang in the middle of step 5's collective), ``1@g5`` (die inside
+step 5's first all-gather: FSDP2's forward), ``1@u5`` (die inside step 5's
+optimizer step, past its per-step recovery point if it has one), ``3@rebuild/g0``
 (die in the middle of the first rebuild), ``1@commit4`` (die in the middle
 of the commit of version 4), ``2@restore`` (die while sending recovery data),
 ``0@spawn`` (die while a replacement is being spawned), ``s0@park:hang``
 (the first parked spare hangs).
 
 Points: ``step`` (``World.fault_point(step)``, called by the user loop),
-``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started),
-``update`` (``State.step_point`` once the point passed: inside the optimizer step, whose twin or
-store already holds what the step makes),
+``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started;
+on the ``ulfm`` process group, its first reduction: DDP's all-reduce, FSDP2's reduce-scatter),
+``gather`` (the ``ulfm`` process group's first all-gather of the step: FSDP2's forward),
+``update`` (inside a torch optimizer's ``step()``; with a per-step recovery point, once the point
+passed, whose twin or store already holds what the step makes),
 ``commit`` / ``restore`` (inside the replicated store's transfers),
 ``agree`` (at the start of a rebuild), ``rebuild`` (after the failed set is
 agreed, before the communicator is rebuilt), ``spawn`` (after ``Spawn``
@@ -50,14 +53,16 @@ from ._errors import ConfigError, ElasticError
 from ._watchdog import WARM_CHILD_ENV
 from .wire import message
 
-__all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POINTS", "ACTIONS", "INJECT_ENV"]
+__all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POINTS", "LOOP_POINTS", "ACTIONS",
+           "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
+POINTS = ("step", "collective", "gather", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
 ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
 QUIET_ACTIONS = DATA_ACTIONS + ("warm",)   # the process goes on: no outcome is written for them
-STEP_POINTS = ("step", "collective", "update", "commit")
+STEP_POINTS = ("step", "collective", "gather", "update", "commit")
+LOOP_POINTS = ("step", "collective", "gather", "update")  # inside a step the loop tells
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
 
@@ -139,6 +144,8 @@ def _parse_compact(item: str) -> Injection:
         return Injection(int(rank_text), int(where[6:]), "commit", action, gen, factor)
     if where.startswith("c"):
         return Injection(int(rank_text), int(where[1:]), "collective", action, gen, factor)
+    if where.startswith("g"):
+        return Injection(int(rank_text), int(where[1:]), "gather", action, gen, factor)
     if where.startswith("u"):
         return Injection(int(rank_text), int(where[1:]), "update", action, gen, factor)
     return Injection(int(rank_text), int(where), "step", action, gen, factor)
@@ -170,8 +177,8 @@ class FaultInjector:
         return entry
 
     def wants_steps(self) -> bool:
-        """Some entry fires at a step the program's loop must tell (``step``, ``collective``)."""
-        return any(entry.point in ("step", "collective") for entry in self.schedule)
+        """Some entry fires at a step the program's loop must tell (``LOOP_POINTS``)."""
+        return any(entry.point in LOOP_POINTS for entry in self.schedule)
 
     def point(self, point: str, logical_rank: int, generation: int, step: int | None = None, *,
               implied: bool = False) -> None:

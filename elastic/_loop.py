@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
 import numpy as np
@@ -20,7 +22,8 @@ from ._state import State
 T = TypeVar("T")
 
 
-def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, **settings: Any) -> World:
+def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
+         rehearse: Callable[[], None] | None = None, **settings: Any) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
@@ -29,6 +32,12 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
             of the training settings (``keep_versions=2``, ``max_failures=5``: ``Training``).
         policy: how lost ranks are filled (default ``Policy.from_config(config)``: the
             launcher's ``--rebuild``, ``--min-size`` and the other policy settings).
+        rehearse: a torch program's setup and first step, which a spare runs once before it
+            parks on a rehearsal group of the job's size (``elastic._rehearsal``: its collectives
+            move nothing): build and shard the model, make the optimizer, take a step, so what
+            torch does on first use (FSDP2's and DTensor's set-up, each operator's first
+            dispatch) is done when the spare is promoted. Active ranks never call it; one that
+            raises is logged and the spare parks all the same.
 
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
@@ -41,7 +50,48 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None, *
         # promoted spare pay that after the failure; every process pays it here instead, a spare
         # while it waits.
         import torch._dynamo  # noqa: F401
-    return _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ)
+    world = _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ,
+                       before_parking=None if rehearse is None else functools.partial(_rehearse, rehearse))
+    if sys.modules.get("torch") is not None:
+        from .distributed import serve_init_process_group
+
+        serve_init_process_group(world)  # torch.distributed.init_process_group() makes the World's group
+        if world.job.settings.faults_scheduled:
+            _fire_update_in_optimizers(world)
+    return world
+
+
+def _rehearse(rehearse: Callable[[], None], world: World) -> None:
+    from ._rehearsal import rehearse as run
+
+    began = time.monotonic()
+    try:
+        run(world.job.initial_size, rehearse)
+    except Exception as exc:  # the spare still parks: a promotion pays torch's first use instead
+        logging.getLogger("elastic").warning("[elastic] the spare's rehearsal failed (%s: %s); it parks without one",
+                                             type(exc).__name__, exc)
+        world.events.emit("rehearsed", ok=False, seconds=time.monotonic() - began, error=repr(exc))
+        return
+    world.events.emit("rehearsed", ok=True, seconds=time.monotonic() - began)
+
+
+_UPDATE_HOOK: list[Any] = []  # the handle of the one global hook of this process
+
+
+def _fire_update_in_optimizers(world: World) -> None:
+    """Every torch optimizer's ``step()`` fires the ``update`` fault point of the World's step as
+    it begins (``1@u20``: inside step 20's optimizer step), but one whose step is a per-step
+    recovery point: that fires it once the point passed (``State.step_point``)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from ._points import POINTED
+
+    def fire(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer not in POINTED:
+            world.fault_point(world.job.step, "update")
+
+    if not _UPDATE_HOOK:
+        _UPDATE_HOOK.append(register_optimizer_step_pre_hook(fire))
 
 
 def run(func: Callable[..., T] | None = None, *, max_failures: int | None = None,

@@ -10,8 +10,8 @@ bound, never by a group timeout.
 Each collective is one non-blocking MPI call on numpy views of the tensors (a
 copy only where no view exists: a non-contiguous tensor, or a 16-bit float
 reduced in float32), waited for inside the call under ``world.mpi.guard()``,
-with the World's ``collective`` fault point in flight in the reductions. On CPU
-the caller is the thread that runs the backward, so the ``Work`` handed back is
+with the World's ``collective`` fault point in flight in the reductions (``gather`` in the
+all-gathers). On CPU the caller is the thread that runs the backward, so the ``Work`` handed back is
 complete, its future already holding the result (DDP's buckets go through
 ``elastic.distributed``'s hook instead: one all-reduce per backward). The group is valid while the World keeps its shape
 (a spare or a spawned process takes the lost rank's place: same size, same rank
@@ -81,7 +81,7 @@ class MPIGroup(dist.ProcessGroup):
     def reduce_in_place(self, tensors: list[torch.Tensor], op: Any = dist.ReduceOp.SUM) -> None:
         """``allreduce`` without the ``Work`` (this package's own callers: DDP's gradients)."""
         bufs = [_Buffer(t, reduce=True) for t in tensors]
-        self._run(lambda comm: [comm.Iallreduce(MPI.IN_PLACE, b.array, op=_OPS[op]) for b in bufs], reduction=True)
+        self._run(lambda comm: [comm.Iallreduce(MPI.IN_PLACE, b.array, op=_OPS[op]) for b in bufs], "collective")
         for b in bufs:
             b.done(self.size() if op == dist.ReduceOp.AVG else 1)
 
@@ -93,7 +93,7 @@ class MPIGroup(dist.ProcessGroup):
         bufs = [_Buffer(t, reduce=True) for t in tensors]
         mine = self.rank() == root
         self._run(lambda comm: [comm.Ireduce(MPI.IN_PLACE if mine else b.array, b.array if mine else None,
-                                             op=_OPS[op], root=root) for b in bufs], reduction=True)
+                                             op=_OPS[op], root=root) for b in bufs], "collective")
         for b in bufs:
             b.done(self.size() if op == dist.ReduceOp.AVG and mine else 1)
         return _work(tensors)
@@ -102,7 +102,7 @@ class MPIGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         out, inp = _Buffer(output, reduce=True), _Buffer(input, reduce=True)
         self._check_chunks(out, inp)
-        self._run(lambda comm: [comm.Ireduce_scatter_block(inp.array, out.array, op=_OPS[op])], reduction=True)
+        self._run(lambda comm: [comm.Ireduce_scatter_block(inp.array, out.array, op=_OPS[op])], "collective")
         out.done(self.size() if op == dist.ReduceOp.AVG else 1)
         return _work([output])
 
@@ -128,7 +128,7 @@ class MPIGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         out, inp = _Buffer(output), _Buffer(input)
         self._check_chunks(inp, out)
-        self._one("Iallgather", inp.array, out.array)
+        self._run(lambda comm: [comm.Iallgather(inp.array, out.array)], "gather")
         out.done()
         return _work([output])
 
@@ -202,11 +202,11 @@ class MPIGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ----------------------------------------------------------- the common
-    def _run(self, start: Callable[[MPI.Intracomm], list[MPI.Request]], reduction: bool = False) -> None:
+    def _run(self, start: Callable[[MPI.Intracomm], list[MPI.Request]], point: str | None = None) -> None:
         """Post the requests and wait for all (a peer's death or a revoke: ``ProcessFailure`` from
-        ``guard``). A ``reduction`` (DDP's all-reduce, FSDP2's reduce-scatter) fires the
-        ``collective`` fault point of the World's step with them in flight: ``1@c20`` stops rank 1
-        inside step 20's first one."""
+        ``guard``), the World's fault ``point`` of its step with them in flight: ``collective`` in
+        a reduction (DDP's all-reduce, FSDP2's reduce-scatter: ``1@c20`` stops rank 1 inside step
+        20's first one), ``gather`` in an all-gather (FSDP2's forward: ``1@g20``)."""
         world = self._world
         comm = world.mpi.comm
         if comm is not self._checked:  # a new generation's communicator
@@ -217,8 +217,8 @@ class MPIGroup(dist.ProcessGroup):
         with world.mpi.guard():
             requests = start(comm)
             try:
-                if reduction:
-                    world.fault_point(world.job.step, "collective")
+                if point is not None:
+                    world.fault_point(world.job.step, point)
                 MPI.Request.Waitall(requests)
             except BaseException:
                 _abandoned.append(requests)  # MPI may still write their buffers (they hold them): never freed

@@ -12,6 +12,7 @@ store does its ``Backing``. Pick one with ``recovery_point``.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -75,6 +76,11 @@ class RecoveryPoint(Protocol):
         """This rank's values at the program's last ``commit()``, every rank's way back when the
         twins of ``orphans`` all died; ``DataLost`` naming their shards on every rank without one."""
         ...
+
+
+# Optimizers whose step() is a per-step recovery point: they fire the ``update`` fault point
+# themselves, once the point passed (``State.step_point``); any other fires it as its step begins.
+POINTED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class Twins(Protocol):
@@ -145,7 +151,7 @@ class EveryStep:
         self._world = world
         self._in_step = False  # between a step point and the step's end (record_step)
         self._calls = 0        # world.job.collectives right after the last step point
-        self._hooked: tuple[str, Any] | None = None  # the optimizer's name and its hook's handle
+        self._hooked: tuple[str, Any, Any] | None = None  # the optimizer's name, its hook's handle, the optimizer
 
     def stored(self, capture: Capture) -> tuple[dict[str, np.ndarray], list[str]]:
         return capture.unique, []  # the live shared values are their recovery point
@@ -182,7 +188,9 @@ class EveryStep:
                               "with per_step=True and call state.step_point() before the first update")
         if self._hooked is not None:
             self._hooked[1].remove()  # bound again (a model built anew after a shrink): the new one's
-        self._hooked = (name, optimizer.register_step_pre_hook(lambda *_: step_point()))
+            POINTED.discard(self._hooked[2])
+        self._hooked = (name, optimizer.register_step_pre_hook(lambda *_: step_point()), optimizer)
+        POINTED.add(optimizer)
 
     def share_twins(self, world: Group, twin: Mapping[str, np.ndarray],
                     lacking: Sequence[int]) -> dict[str, np.ndarray] | None:

@@ -23,7 +23,7 @@ from typing import IO, Any, Callable
 
 from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS
 from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
-from elastic.comm.faults import Injection
+from elastic.comm.faults import LOOP_POINTS, Injection
 
 from ._plan import LaunchPlan
 
@@ -292,7 +292,7 @@ def unfired_but_reached(entries: list[Injection], events: list[dict]) -> list[In
         # at step S's record, or a generation that resumed past S, never passed it.)
         lo, hi = steps.get(gen, (0, -1))
         return lo <= step and step + 1 <= hi
-    return [i for i in entries if i.point in ("step", "collective") and i.step is not None
+    return [i for i in entries if i.point in LOOP_POINTS and i.step is not None
             and (i.gen, i.rank) in present and passed(i.step, i.gen)]
 
 

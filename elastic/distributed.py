@@ -38,8 +38,10 @@ from . import _mpigroup
 from ._dcp import NothingSaved, PeerMemory
 from ._driver import register_data_plane
 from ._mpigroup import BACKEND
+from ._torchstate import end_iteration
 
-__all__ = ["ProcessGroup", "DistributedDataParallel", "PeerMemory", "NothingSaved", "is_peer_failure", "abort"]
+__all__ = ["ProcessGroup", "DistributedDataParallel", "PeerMemory", "NothingSaved", "is_peer_failure", "abort",
+           "end_iterations", "serve_init_process_group"]
 
 # A peer gone, or one that did not answer within the group's timeout (a stopped process: the
 # recovery's agreement then waits for the sentinel to kill it).
@@ -281,7 +283,56 @@ def abort() -> None:
         dist.destroy_process_group()
 
 
-register_data_plane(is_peer_failure, abort)
+_ORIGINAL_INIT = dist.distributed_c10d.init_process_group
+_SERVED: list[Any] = []  # the World whose group a bare init_process_group() makes, then that ProcessGroup
+
+
+def serve_init_process_group(world: World) -> None:
+    """Make ``torch.distributed.init_process_group()`` without a rendezvous of its own (no
+    ``init_method``, ``store``, ``rank`` or ``world_size``: what torchrun-style programs call, and
+    what FSDP2 calls when it finds no default group) install ``ProcessGroup(world)`` instead of
+    reading ``MASTER_ADDR``, which nothing sets here (local; ``elastic.init`` calls it). Its
+    ``backend``: none, ``"gloo"`` or torch's default give this machine's default (``ulfm`` on
+    CPU: Gloo cannot leave a collective whose peer died; ``nccl`` where CUDA is); ``"nccl"``
+    gives NCCL. A call with a rendezvous of its own is torch's, unchanged."""
+    _SERVED[:] = [world]
+    dist.init_process_group = dist.distributed_c10d.init_process_group = _init_process_group
+
+
+def _init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, world_size: int = -1,
+                        rank: int = -1, store: Any = None, *args: Any, **kwargs: Any) -> None:
+    if not _SERVED or init_method is not None or store is not None or world_size != -1 or rank != -1:
+        return _ORIGINAL_INIT(backend, init_method, timeout, world_size, rank, store, *args, **kwargs)
+    name = str(backend).lower() if backend is not None else None
+    if name not in (None, "gloo", "nccl", BACKEND, "cpu:gloo,cuda:nccl"):
+        raise ConfigError(f"init_process_group(backend={backend!r}) under elastic: give no backend (the World's "
+                          f"{BACKEND!r} group on CPU, NCCL on GPUs), or make the group with "
+                          "elastic.distributed.ProcessGroup(world, backend=...)")
+    seconds = timeout.total_seconds() if timeout is not None else 60.0
+    group = ProcessGroup(_SERVED[0], backend="nccl" if name == "nccl" else None, timeout=seconds)
+    group.group  # noqa: B018  (Gloo's and NCCL's meet here; the ulfm group is made already)
+    _SERVED[1:] = [group]
+
+
+def end_iterations() -> None:
+    """End the iteration a failure cut short in every FSDP2 model of this process (local): FSDP2's
+    per-iteration state and every gradient, the unsharded ones its root unit keeps included
+    (``end_iteration``), so the program calls nothing FSDP2-specific after a failure. FSDP2 keeps
+    its units in ``torch.distributed._composable_state``'s weak map: each root found there."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule
+
+    for module, state in list(_module_state_mapping.items()):
+        if isinstance(module, FSDPModule) and getattr(state(), "_is_root", None) is not False:  # None: no forward yet
+            end_iteration(module)
+
+
+def _after_failure() -> None:
+    abort()
+    end_iterations()
+
+
+register_data_plane(is_peer_failure, _after_failure)
 
 
 def _address() -> str:

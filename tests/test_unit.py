@@ -17,11 +17,13 @@ from elastic.comm._errors import translate
 
 
 def test_compact_schedule():
-    assert parse_schedule("1@3, 2@c5:hang, 3@rebuild/g1, 0@agree:raise") == (
+    assert parse_schedule("1@3, 2@c5:hang, 3@rebuild/g1, 0@agree:raise, 1@g7/g2, 2@u8") == (
         Injection(1, 3, "step", "kill", 0),
         Injection(2, 5, "collective", "hang", 0),
         Injection(3, None, "rebuild", "kill", 1),
         Injection(0, None, "agree", "raise", 0),
+        Injection(1, 7, "gather", "kill", 2),
+        Injection(2, 8, "update", "kill", 0),
     )
 
 
