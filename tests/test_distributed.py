@@ -7,6 +7,7 @@ import pytest
 
 from conftest import assert_bitwise, launch
 from elastic.report import final_steps, timeline
+from elastic.comm import ConfigError
 
 DDP = ("examples/ddp.py", "--steps", "40")
 # Over Gloo a group timeout of 3 s bounds how long a rank waits in DDP's all-reduce for a peer that
@@ -90,43 +91,72 @@ def test_ddp_after_a_shrink_keeps_the_global_batches(tmp_path, reference):
 
 @pytest.mark.fault
 def test_fsdp_with_a_spare_gets_the_lost_shards_back_bitwise(tmp_path, reference):
+    # examples/fsdp.py: the MLP of train.py sharded (its root unit owns no parameters), killed at a step
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12", program=FSDP)
     assert_bitwise(job, reference(FSDP), "optimizer_sha256")
-    assert [e["logical"] for e in job.of("promoted")] == [1]
-    # The survivors kept their sharded model and its group (no event of theirs in generation 1);
-    # the spare made both, and loaded rank 1's shards from the checkpoint in peer memory.
-    assert {(e["logical"], e["generation"]) for e in job.of("process_group")} == {(0, 0), (1, 0), (2, 0), (3, 0),
-                                                                                  (1, 1)}
     assert [e["version"] for e in job.of("resumed") if e["logical"] == 1] == [2]  # the commit of step 10
 
 
+# The official FSDP2 example's program: a transformer whose root unit owns the embeddings, final norm
+# and head; DCP into peer memory every 5 steps. Dropout off: the shrink's loss is comparable with
+# the failure-free run's, and one reference serves all.
+TRANSFORMER = ("examples/fsdp_transformer.py", "--steps", "20", "--dropout", "0")
+
+
 @pytest.mark.fault
-def test_fsdp_after_a_shrink_reshards_the_checkpoint_over_the_survivors(tmp_path, reference):
-    ref = reference(FSDP)
-    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "3@12", program=FSDP)
-    _assert_shrunk_on_the_same_batches(job, ref, steps=30)
-    # A 3-rank group and mesh: the 4-rank checkpoint was loaded onto 3 ranks.
+@pytest.mark.parametrize("inject, options", [("1@g12", ()), ("1@c12", ()), ("2@u12", ("--tie", "--mixed-precision"))])
+def test_fsdp2_transformer_survives_a_kill_in_its_forward_backward_or_optimizer_step_bitwise(
+        tmp_path, reference, inject, options):
+    """Logical rank 1 dies inside step 12's first all-gather (the forward's, the root unit's) or its
+    first reduce-scatter (the backward's), or logical rank 2 inside step 12's optimizer step (bf16
+    parameters, the head tied to the embedding); the spare, which rehearsed its first step before it
+    parked, takes the lost rank's shards from the DCP checkpoint in peer memory, and the run ends
+    bitwise the failure-free one. The program calls nothing FSDP2-specific after the failure: the
+    library ends the cut iteration (a backward cut short leaves the root's unsharded gradients)."""
+    program = TRANSFORMER + options
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=program)
+    assert_bitwise(job, reference(program), "optimizer_sha256")
+    point = {"g": "gather", "c": "collective", "u": "update"}[inject[2]]
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [(point, 12)]
+    lost = int(inject[0])
+    assert [e["logical"] for e in job.of("promoted")] == [lost]
+    assert [e["ok"] for e in job.of("rehearsed")] == [True]  # the one spare, before it parked
+    # Back to step 10's commit: steps 10 and 11 again, and step 12 too where the survivors finished it
+    assert [row["redone"] for row in timeline(job.events)] == [3 if point == "update" else 2]
+    # init_process_group() made the World's group; the survivors kept theirs, the spare made its own
+    assert {(e["logical"], e["generation"], e["backend"]) for e in job.of("process_group")} == \
+        {(0, 0, "ulfm"), (1, 0, "ulfm"), (2, 0, "ulfm"), (3, 0, "ulfm"), (lost, 1, "ulfm")}
+
+
+@pytest.mark.fault
+def test_fsdp2_transformer_after_a_shrink_reshards_the_checkpoint_over_the_survivors(tmp_path, reference):
+    ref = reference(TRANSFORMER)
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "3@c12", program=TRANSFORMER)
+    assert job.rc == 0, job.output
+    assert job.result["size"] == 3 and job.result["steps"] == 20
+    assert abs(job.result["final_loss"] - ref["result"]["final_loss"]) <= 1e-5 * abs(ref["result"]["final_loss"])
+    # A 3-rank group and mesh (init_process_group again): the 4-rank checkpoint was loaded onto 3 ranks.
     assert {e["size"] for e in job.of("process_group") if e["generation"] == 1} == {3}
 
 
 @pytest.mark.fault
-def test_fsdp_survives_a_second_death_during_its_recovery_bitwise(tmp_path, reference):
+def test_fsdp2_transformer_survives_a_second_death_during_its_recovery_bitwise(tmp_path, reference):
     # Rank 1 dies at step 12; rank 2, which holds a copy of rank 1's shards, dies while the recovery
     # moves them (generation 1's restore): the third copy (replication 3) brings them back (the
     # copies' count does not change the model: the reference is the replication-2 run).
-    program = FSDP + ("--replication", "3")
-    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@restore/g1", program=program)
-    assert_bitwise(job, reference(FSDP), "optimizer_sha256")
+    job = launch(tmp_path, 4, "--spares", "2", "--inject", "1@12,2@restore/g1",
+                 program=TRANSFORMER + ("--replication", "3"))
+    assert_bitwise(job, reference(TRANSFORMER), "optimizer_sha256")
     assert sorted(e["logical"] for e in job.of("promoted")) == [1, 2]
     assert [e["point"] for e in job.of("inject")] == ["step", "restore"]
 
 
 @pytest.mark.fault
-def test_fsdp_with_a_peer_stopped_inside_a_reduce_scatter_recovers_bitwise(tmp_path, reference):
+def test_fsdp2_transformer_with_a_peer_stopped_inside_a_reduce_scatter_recovers_bitwise(tmp_path, reference):
     # SIGSTOP in the middle of step 12's first reduce-scatter (the backward's): the others wait in
     # it until the sentinel kills the stopped rank (no heartbeat for 3 s), not for a group timeout.
-    job = launch(tmp_path, 4, "--spares", "1", "--hang-timeout", "3", "--inject", "1@c12:hang", program=FSDP)
-    assert_bitwise(job, reference(FSDP), "optimizer_sha256")
+    job = launch(tmp_path, 4, "--spares", "1", "--hang-timeout", "3", "--inject", "1@c12:hang", program=TRANSFORMER)
+    assert_bitwise(job, reference(TRANSFORMER), "optimizer_sha256")
     assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 12)]
     assert "then hung (no heartbeat for 3.0 s), killed by its sentinel" in job.output
 
@@ -176,3 +206,55 @@ def test_a_dead_peer_in_a_gloo_collective_is_a_process_failure():
     assert is_peer_failure(RuntimeError("Got the following error when running the callback: RuntimeError: "
                                         "Application timeout caused pair closure"))
     assert not is_peer_failure(RuntimeError("shape mismatch")) and not is_peer_failure(ValueError("gloo"))
+
+
+def test_a_spares_rehearsal_warms_fsdp2_without_leaving_rank_0s_place_in_torchs_caches():
+    """A spare rehearses as rank 0 of 4 (``elastic.init(rehearse=...)``); promoted, it is rank 1 of
+    the same shape. Torch caches DTensor results under meshes that compare equal whatever this
+    rank's place in them: what the rehearsal left must not give rank 1 rank 0's shards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from elastic._rehearsal import installed, rehearse
+
+    def shard_and_step() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+        fully_shard(model[1])
+        fully_shard(model)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.arange(4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    rehearsed = []
+    rehearse(4, lambda: rehearsed.append(dist.get_rank()))
+    rehearse(4, shard_and_step)
+    assert rehearsed == [0] and not dist.is_initialized()
+    with installed(4, rank=1):
+        model, optimizer = shard_and_step()
+        for p in model.parameters():  # this rank's rows, and Adam's moments beside them
+            assert p.device_mesh.get_coordinate() == (1,)
+            assert p.to_local().shape[0] == p.shape[0] // 4
+            assert all(v.device_mesh.get_coordinate() == (1,) for v in optimizer.state[p].values() if v.dim())
+    with pytest.raises(ZeroDivisionError):  # what the rehearsal raised, in the caller's thread
+        rehearse(4, lambda: 1 / 0)
+    assert not dist.is_initialized()
+
+
+def test_init_process_group_under_elastic_makes_the_worlds_group_or_says_what_to_call(monkeypatch):
+    """A bare init_process_group() (FSDP2's when it finds no default group, torchrun-style programs)
+    is served from the World; a backend the World cannot serve is refused saying what to call, and
+    a call with a rendezvous of its own is torch's (no MASTER_ADDR: torch's own error)."""
+    import torch.distributed as dist
+
+    import elastic.distributed as ed
+
+    monkeypatch.setattr(ed, "_SERVED", [object()])
+    with pytest.raises(ConfigError, match=r"elastic.distributed.ProcessGroup\(world, backend=...\)"):
+        ed._init_process_group(backend="mpi")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        ed._init_process_group(backend="gloo", init_method="env://", world_size=2, rank=0)
+    assert not dist.is_initialized()
