@@ -47,7 +47,7 @@ def build_command(plan: LaunchPlan, nprocs: int, hosts: list[tuple[str, int]] | 
         cmd += ["--bind-to", "none"]  # more processes than cores (slots can exceed them under Slurm)
     for key, value in _mca(plan, many):
         cmd += ["--mca", key, value]
-    for name in sorted(job_env(plan.config, plan.training)):
+    for name in sorted(job_env(plan.config, plan.training, omp_threads(plan))):
         cmd += ["-x", name]
     # The sentinel runs with this launcher's Python; the program with whatever the command names.
     return cmd + [sys.executable, "-m", "elastic.comm._sentinel", "--"] + list(plan.command)
@@ -66,7 +66,21 @@ def _mca(plan: LaunchPlan, many_hosts: bool) -> list[tuple[str, str]]:
     return params + list(plan.mca)
 
 
-def job_env(config: Config, training: Training) -> dict[str, str]:
+def job_env(config: Config, training: Training, threads: int | None = None) -> dict[str, str]:
     """What every process of the job gets in its environment: the whole configuration, comm's and
-    the training layer's (to other hosts too, through ``-x``)."""
-    return {**config.to_env(), **training.to_env(), "PYTHONUNBUFFERED": "1"}
+    the training layer's (to other hosts too, through ``-x``), and ``OMP_NUM_THREADS`` when the
+    launcher chose it (``omp_threads``)."""
+    return {**config.to_env(), **training.to_env(), "PYTHONUNBUFFERED": "1",
+            **({"OMP_NUM_THREADS": str(threads)} if threads is not None else {})}
+
+
+def omp_threads(plan: LaunchPlan) -> int | None:
+    """Threads for each process's OpenMP and BLAS pools, as torchrun sets them: this host's cores
+    over the processes on the busiest host (at least 1), unless ``OMP_NUM_THREADS`` is set. Pools
+    sized for the whole machine in every process spin against each other: on 2 cores, 4 ranks'
+    numpy dot products took 8 ms instead of 10 us, and a small FSDP2 step 0.5 s instead of 35 ms."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    hosts = max(1, len(plan.hosts))
+    per_host = -(-(plan.nprocs + plan.spares) // hosts)
+    return max(1, (os.cpu_count() or 1) // per_host)

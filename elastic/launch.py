@@ -47,7 +47,7 @@ from elastic.comm import Config, ConfigError
 from elastic.comm.runtime import keep_mpi_uninitialized
 
 from . import _nodes
-from ._mpiexec import build_command, job_env
+from ._mpiexec import build_command, job_env, omp_threads
 from ._plan import LaunchPlan, parse_args, slurm_slots
 from ._relaunch import next_launch
 from ._supervise import Attempt, run_pids, report, summarize
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             done.attempt.stop(f"got {signal.Signals(sig).name}")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    threads = omp_threads(plan)
+    if threads is not None and not plan.quiet:
+        print(f"[launch] OMP_NUM_THREADS={threads} for each process ({os.cpu_count()} cores here, "
+              f"{plan.nprocs + plan.spares} processes; set OMP_NUM_THREADS to choose)", flush=True)
     warm = _start_warm(plan, done.notes)
     if warm is None:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
@@ -122,7 +126,7 @@ def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | N
         return None
     proc = subprocess.Popen([sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket,
                              *programs], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **job_env(plan.config, plan.training)})  # own session: no ^C
+                            env={**os.environ, **job_env(plan.config, plan.training, omp_threads(plan))})  # no ^C
     assert proc.stdout is not None
     # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
     ready = proc.stdout.readline() if select.select([proc.stdout], [], [], WARM_START_SECONDS)[0] else \
@@ -162,7 +166,7 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         if not plan.quiet:
             print(f"[launch] {' '.join(cmd)}", flush=True)
         done.times.append({"launched": time.time()})
-        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training), warm)
+        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training, omp_threads(plan)), warm)
         if got:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,6 +77,21 @@ def test_launcher_command_for_this_machine(tmp_path):
     assert cmd[cmd.index("btl") + 1] == "^ofi"  # one machine: no fabric to probe at every MPI_Init
     args = launch.parse_args(["-n", "4", "--mca", "btl", "self,tcp", "--", "python", "x.py"])
     assert launch.build_command(args, 4).count("btl") == 1  # the user's choice stands alone
+
+
+def test_the_launcher_sizes_each_processs_thread_pools_as_torchrun_does(tmp_path, monkeypatch):
+    """OMP_NUM_THREADS: this host's cores over its processes (spares too), at least 1, passed to
+    every process (through -x); one the user set is left alone."""
+    from elastic._mpiexec import omp_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = launch.parse_args(["-n", "4", "--spares", "1", "--run-dir", str(tmp_path), "--", "python", "x.py"])
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert omp_threads(args) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert omp_threads(args) == 12 and "OMP_NUM_THREADS" in launch.build_command(args, 5)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert omp_threads(args) is None and "OMP_NUM_THREADS" not in launch.build_command(args, 5)
 
 
 def _write(run_dir: Path, pid: int, status: str | None, **fields) -> None:
