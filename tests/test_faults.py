@@ -7,6 +7,8 @@ on each process's own outcome file.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -178,3 +180,27 @@ def test_quiet_and_verbose(tmp_path):
     assert {e["event"] for e in logged} == {e["event"] for e in recorded}  # last line may die with it)
     assert len(recorded) - 1 <= len(logged) <= len(recorded)
 
+
+
+CG = ("examples/cg.py", "--n", "128")
+
+
+@pytest.mark.parametrize("rebuild", ["spare", "shrink"])
+def test_cg_after_a_spare_or_a_shrink_is_bitwise_in_as_many_iterations_and_reported(tmp_path, reference, rebuild):
+    """A 2-D Poisson CG (halo exchanges, dot products in strip order), every iteration a recovery
+    point: logical rank 2 killed at iteration 30, the solve ends on the failure-free run's iterate in
+    as many iterations, nothing redone; the report gives a World/State solver its ETTR and down time."""
+    ref = reference(CG)
+    args = ("--spares", "1") if rebuild == "spare" else ("--rebuild", "shrink")
+    job = launch(tmp_path, 4, *args, "--inject", "2@30", program=CG)
+    assert job.rc == 0, job.output
+    assert (job.result["x_sha256"], job.result["steps"]) == (ref["result"]["x_sha256"], ref["result"]["steps"])
+    assert job.result["size"] == (4 if rebuild == "spare" else 3)
+    (row,) = timeline(job.events)
+    assert row["mode"] == rebuild and row["redone"] == 0 and row["down"] > 0
+    assert row["bytes"] > 0  # the lost strips came from the store, to the spare or to their adopter
+    report = subprocess.run([sys.executable, "-m", "elastic.report", str(tmp_path / "run")], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert report.returncode == 0, report.stderr
+    assert f"1 failure(s), ETTR {ettr(job.events):.3f}" in report.stdout and 0 < ettr(job.events) < 1
+    assert f"{row['down']:.1f}" in report.stdout
