@@ -111,17 +111,19 @@ class World:
         return self._members.logical_ranks()
 
     # ------------------------------------------------------------ faults, record
-    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False) -> None:
+    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False,
+                    micro: int | None = None) -> None:
         """Fire the fault schedule's entries for this rank at ``point`` (local); a step is progress.
 
         A program needs no call of its own: the library's calls that know the step
         (``State.record_step``, the data sampler) mark the step with ``implied=True``, and
         count until the program marks its steps itself (``fault_point(step)``); the
-        collectives are ``collective`` points."""
-        if point == "step":
+        collectives are ``collective`` points. ``micro``: a micro-batch of the step (the data
+        sampler's, with accumulation), for the schedule's ``R@S.M`` only."""
+        if point == "step" and micro is None:
             self._progress(step)
         if self._faults.schedule:
-            self._faults.point(point, int(self.logical_rank), self.generation, step, implied=implied)
+            self._faults.point(point, int(self.logical_rank), self.generation, step, implied=implied, micro=micro)
 
     # ------------------------------------------------- agreed collectives
     def vote(self, ok: bool, why: str = "a rank could not finish its part") -> None:

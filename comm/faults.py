@@ -3,7 +3,8 @@
 A schedule comes from ``ELASTIC_INJECT``: a JSON list (inline or a file path)
 of ``{"rank": 1, "step": 3, "point": "step", "action": "kill", "gen": 0}``, or
 the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
-``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once),
+``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once), ``1@12.1``
+(at the second micro-batch of step 12: gradient accumulation),
 ``2@c5:hang`` (hang in the middle of step 5's collective), ``1@g5`` (die inside
 step 5's first all-gather: FSDP2's forward), ``1@u5`` (die inside step 5's
 optimizer step, past its per-step recovery point if it has one), ``3@rebuild/g0``
@@ -12,7 +13,8 @@ of the commit of version 4), ``2@restore`` (die while sending recovery data),
 ``0@spawn`` (die while a replacement is being spawned), ``s0@park:hang``
 (the first parked spare hangs).
 
-Points: ``step`` (``World.fault_point(step)``, called by the user loop),
+Points: ``step`` (``World.fault_point(step)``, called by the user loop; with a ``micro``,
+the data sampler's micro-batch of the step),
 ``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started;
 on the ``ulfm`` process group, its first reduction: DDP's all-reduce, FSDP2's reduce-scatter),
 ``gather`` (the ``ulfm`` process group's first all-gather of the step: FSDP2's forward),
@@ -79,6 +81,7 @@ class Injection:
     action: str = "kill"
     gen: int = 0
     factor: float = 0.0  # ``slow``: how many times slower
+    micro: int | None = None  # a micro-batch of step ``step`` (gradient accumulation), counting from 0
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -92,6 +95,9 @@ class Injection:
         if self.action == "slow" and not self.factor > 1:
             raise ConfigError(f"fault injection 'slow' with factor {self.factor:g}: write slow=X with X > 1, "
                               "e.g. '2@10:slow=3' (logical rank 2 runs 3 times slower from step 10)")
+        if self.micro is not None and (self.point != "step" or self.micro < 0):
+            raise ConfigError(f"fault injection micro-batch {self.micro} at point {self.point!r}: a micro-batch is "
+                              "one of a step's, counting from 0, e.g. '1@12.1' (the second of step 12)")
         if self.action in DATA_ACTIONS and self.point != "step":
             raise ConfigError(f"fault injection {self.action!r} at point {self.point!r}: data faults are armed at "
                               "a step, e.g. '1@20:nan'")
@@ -99,7 +105,9 @@ class Injection:
     def to_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
         if not self.factor:
-            del out["factor"]  # only ``slow`` has one: every other entry reads as it always did
+            del out["factor"]  # only ``slow`` has one, only a micro-batch entry a micro: every other
+        if self.micro is None:  # entry reads as it always did
+            del out["micro"]
         return out
 
 
@@ -148,7 +156,8 @@ def _parse_compact(item: str) -> Injection:
         return Injection(int(rank_text), int(where[1:]), "gather", action, gen, factor)
     if where.startswith("u"):
         return Injection(int(rank_text), int(where[1:]), "update", action, gen, factor)
-    return Injection(int(rank_text), int(where), "step", action, gen, factor)
+    step, _, micro = where.partition(".")
+    return Injection(int(rank_text), int(step), "step", action, gen, factor, int(micro) if micro else None)
 
 
 class FaultInjector:
@@ -181,20 +190,22 @@ class FaultInjector:
         return any(entry.point in LOOP_POINTS for entry in self.schedule)
 
     def point(self, point: str, logical_rank: int, generation: int, step: int | None = None, *,
-              implied: bool = False) -> None:
+              implied: bool = False, micro: int | None = None) -> None:
         """A fault point reached. The library's calls that know the step (``State.record_step``,
         the data sampler) mark it ``implied``, and count until the program marks its steps
-        itself: then only the program's do."""
-        if point == "step":
+        itself: then only the program's do. ``micro``: micro-batch ``micro`` of step ``step``
+        (the sampler's, with accumulation), which only ``R@S.M`` entries match."""
+        if point == "step" and micro is None:
             if implied and self._own_step_points:
                 return
             self._own_step_points |= not implied
-        self.fire(point, logical_rank, generation, step)
+        self.fire(point, logical_rank, generation, step, micro)
 
-    def fire(self, point: str, logical_rank: int, generation: int, step: int | None = None) -> None:
+    def fire(self, point: str, logical_rank: int, generation: int, step: int | None = None,
+             micro: int | None = None) -> None:
         for entry in self.schedule:
             if not (entry.point == point and entry.rank == logical_rank and entry.gen == generation
-                    and (entry.step is None or entry.step == step)):
+                    and (entry.step is None or entry.step == step) and entry.micro == micro):
                 continue
             if entry.action in DATA_ACTIONS:
                 if entry not in self._spent:  # a roll-back replays the step: it runs clean

@@ -373,10 +373,11 @@ class SimRank:
             array[...] = sum(got[r][i] for r in self._job._fabric.active)  # current-rank order, as MPI's
 
     # ------------------------------------------------------------------ faults, progress
-    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False) -> None:
-        if point == "step":
+    def fault_point(self, step: int | None, point: str = "step", *, implied: bool = False,
+                    micro: int | None = None) -> None:
+        if point == "step" and micro is None:
             self._step = step
-        self._faults.point(point, self.logical, self.generation, step, implied=implied)
+        self._faults.point(point, self.logical, self.generation, step, implied=implied, micro=micro)
 
     def _act(self, entry: Injection, where: str) -> None:
         """What an injection does to a simulated rank: ``raise`` raises, every other action ends

@@ -97,7 +97,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
             # at its first micro-batch, so an injection counts optimizer steps as the program does.
             self.world.fault_point(step, implied=True)
             share = self.shard(step)  # cut when it is drawn: a rebuild between steps is taken into account
-            for part in np.array_split(np.asarray(share, dtype=np.int64), self.accumulation):
+            for micro, part in enumerate(np.array_split(np.asarray(share, dtype=np.int64), self.accumulation)):
+                self.world.fault_point(step, micro=micro)  # R@S.M: the schedule's micro-batch M of step S
                 yield part.tolist()
 
     def __len__(self) -> int:

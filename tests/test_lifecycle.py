@@ -184,14 +184,18 @@ def test_a_standard_torch_loop_is_bitwise_after_a_kill_in_its_all_reduce(tmp_pat
     assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 12)]
 
 
-def test_under_accumulation_an_injection_fires_at_the_optimizer_step_it_names_bitwise(tmp_path, reference):
+@pytest.mark.parametrize("inject, micro", [("1@12", None), ("1@12.1", 1)])
+def test_under_accumulation_an_injection_fires_at_the_optimizer_step_it_names_bitwise(tmp_path, reference, inject,
+                                                                                       micro):
     """Two micro-batches a step from the sampler: 1@12 kills logical rank 1 when the loop is at
-    optimizer step 12 (not micro-batch 12), and the spare makes the run bitwise the failure-free one."""
+    optimizer step 12 (not micro-batch 12), 1@12.1 at that step's second micro-batch (after the
+    first one's backward, under DDP's no_sync); the spare makes the run bitwise the failure-free one."""
     program = STANDARD + ("--accumulation", "2")
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@12", program=program)
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=program)
     assert_bitwise(job, reference(program), "optimizer_sha256")
     (killed,) = [o for o in job.outcomes if o["status"] == "injected-kill"]
     assert killed["logical"] == 1 and killed["step"] == 12
+    assert [(e["step"], e.get("micro")) for e in job.of("inject")] == [(12, micro)]
     assert max(e["step"] for e in job.of("step") if e["gen"] == 0) == 12
 
 

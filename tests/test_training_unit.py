@@ -276,7 +276,8 @@ def test_sampler_resumes_mid_epoch_after_a_roll_back_and_reshards_after_a_shrink
 
 def test_with_accumulation_the_sampler_cuts_each_step_and_its_fault_point_counts_optimizer_steps():
     """accumulation=2: each step's share in two micro-batches in a row, the same samples as without;
-    the step's fault point once, at its first micro-batch: 1@2 fires at the fifth micro-batch."""
+    the step's fault point once, at its first micro-batch: 1@2 fires at the fifth micro-batch, and
+    1@2.1 (micro-batch 1 of step 2) at the sixth."""
     from elastic.data import GlobalBatchSampler
     plain = _sampler(1, 3)
     micro = GlobalBatchSampler(SimJob(3).rank(1), 50, 8, step=lambda: 0, seed=4, accumulation=2)
@@ -290,6 +291,13 @@ def test_with_accumulation_the_sampler_cuts_each_step_and_its_fault_point_counts
         for piece in armed:
             drawn.append(piece)
     assert drawn == pieces[:4]  # steps 0 and 1, two pieces each: the fault is at step 2's first
+    second = GlobalBatchSampler(SimJob(3, inject="1@2.1:raise").rank(1), 50, 8, step=lambda: 0, seed=4,
+                                accumulation=2)
+    drawn = []
+    with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
+        for piece in second:
+            drawn.append(piece)
+    assert drawn == pieces[:5]  # R@S.M: micro-batch 1 of step 2, the sixth
     with pytest.raises(elastic.ConfigError, match="accumulation=0"):
         GlobalBatchSampler(SimJob(1).rank(0), 50, 8, step=lambda: 0, accumulation=0)
 
