@@ -7,8 +7,9 @@ gradients, all on the ``ulfm`` group: a death ends those collectives at once).
 Every ``--commit-every`` steps the program saves its state dict with DCP, as
 it would to disk, into ``elastic.distributed.PeerMemory(state)``, and commits:
 each rank's shards are replicated to its peers, never the whole model. After a
-failure the loop calls ``train`` again: FSDP2's ``reset_iter_state`` ends the
-iteration the failure cut short, and DCP loads the checkpoint back.
+failure the library ends the iteration the failure cut short (FSDP2's
+per-iteration state, every gradient), the loop calls ``train`` again, and DCP
+loads the checkpoint back.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@20 -- python examples/fsdp.py --steps 40
     python -m elastic.launch -n 4 --rebuild shrink --inject 3@20 -- python examples/fsdp.py --steps 40
@@ -220,8 +221,6 @@ def main() -> int:
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
-        if "model" in job:  # a failure cut a forward or backward short: FSDP2's own recovery, on the root
-            job["model"].reset_iter_state()  # (layers left unsharded would skip the next all-gather)
         if state.step == 0:  # the start, or a roll-back to it: the initial model
             if not job.get("fresh"):
                 shard()

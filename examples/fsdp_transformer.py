@@ -196,7 +196,6 @@ def main() -> int:
     parser.add_argument("--ddp", action="store_true",
                         help="the same model and loop under torch DDP instead (the benchmark's baseline)")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the ranks share the cores (each rank's threads would spin against the others)
     corpus = torch.randint(0, args.vocab, (args.samples, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     model = build(args)  # before init: a spare builds it while it waits
     if args.ddp:
