@@ -318,9 +318,14 @@ def end_iterations() -> None:
     """End the iteration a failure cut short in every FSDP2 model of this process (local): FSDP2's
     per-iteration state and every gradient, the unsharded ones its root unit keeps included
     (``end_iteration``), so the program calls nothing FSDP2-specific after a failure. FSDP2 keeps
-    its units in ``torch.distributed._composable_state``'s weak map: each root found there."""
+    its units in ``torch.distributed._composable_state``'s weak map: each root found there. With no
+    process group there is no FSDP2 model to end (a simulated job's threads share one process:
+    they must not touch what another test left in the map)."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp import FSDPModule
+
+    if not dist.is_initialized():
+        return
 
     for module, state in list(_module_state_mapping.items()):
         if isinstance(module, FSDPModule) and getattr(state(), "_is_root", None) is not False:  # None: no forward yet
