@@ -1,21 +1,25 @@
 """DDP and FSDP2 over the World's communicator, DDP over Gloo, and allreduce_gradients over MPI, side by side.
 
-    python scripts/bench_ddp.py [--ranks 4] [--steps 200] [--repeat 3] [--json]
+    python scripts/bench_ddp.py [--ranks 4] [--steps 200] [--repeat 3] [--kills 3] [--json]
 
 The same model, data and optimizer (examples/train.py's MLP) trained four ways
-(``way`` in the rows): ``mpi``, ``examples/train.py`` (gradients summed by
+(``way`` in the rows), and a transformer two ways: ``mpi``, ``examples/train.py`` (gradients summed by
 ``elastic.allreduce_gradients`` over MPI after the backward pass); ``ddp``,
 ``examples/ddp.py`` on the ``ulfm`` process group (torch's DDP over the World's
 communicator, one all-reduce per backward); ``ddp-gloo``, the same over Gloo
 (one parameter per bucket, a 10 s group timeout: the bound a rank waits in an
 all-reduce its peer left); ``fsdp``, ``examples/fsdp.py`` (FSDP2's
-``fully_shard`` on the ``ulfm`` group, its shards in the store). For each:
+``fully_shard`` on the ``ulfm`` group, its shards in the store);
+``transformer-fsdp``, ``examples/fsdp_transformer.py`` (the official FSDP2
+example's transformer, DCP into peer memory, a spare that rehearsed) and
+``transformer-ddp``, the same model and loop under DDP. For each:
 steps per second without failures (the median step of a run, commits
 included; the failure-free runs of all ways alternate ``--repeat`` times and
 the median run counts, so a slow spell of this shared machine does not land on
 one way only), and with a spare, kill -> next step after logical rank 1 is
-SIGKILLed at step ``steps // 2``, with its phases (from
-``elastic.report.timeline``). ``--json``: one JSON object per row.
+SIGKILLed at step ``steps // 2`` in ``--kills`` runs per way (alternated too):
+the median, mean and max, the phases' medians (from ``elastic.report.timeline``),
+and the ratio to ``ddp``'s. ``--json``: one JSON object per row.
 """
 from __future__ import annotations
 
@@ -33,7 +37,11 @@ from elastic.report import timeline
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = {"mpi": ("examples/train.py",), "ddp": ("examples/ddp.py", "--backend", "ulfm"),
         "ddp-gloo": ("examples/ddp.py", "--backend", "gloo", "--group-timeout", "10"),
-        "fsdp": ("examples/fsdp.py",)}
+        "fsdp": ("examples/fsdp.py",),
+        # the official FSDP2 example's transformer, and the same model and loop under DDP
+        "transformer-ddp": ("examples/fsdp_transformer.py", "--ddp"),
+        "transformer-fsdp": ("examples/fsdp_transformer.py",)}
+PHASES = ("detect", "agree", "rebuild", "restore", "resume")
 
 
 def run(program: tuple[str, ...], ranks: int, steps: int, run_dir: Path, launcher_args: list[str]) -> list[dict]:
@@ -50,21 +58,30 @@ def steps_per_s(program: tuple[str, ...], ranks: int, steps: int, run_dir: Path)
     return 1 / statistics.median(seconds)
 
 
-def kill_row(name: str, program: tuple[str, ...], ranks: int, steps: int, tmp: Path) -> dict:
-    killed = run(program, ranks, steps, tmp / f"{name}-kill", ["--spares", "1", "--inject", f"1@{steps // 2}"])
-    rebuild = timeline(killed)[0]
-    return {"way": name, "ranks": ranks, "down_s": rebuild["down"] / 1e3, "detect_ms": rebuild["detect"],
-            "agree_ms": rebuild["agree"], "rebuild_ms": rebuild["rebuild"], "restore_ms": rebuild["restore"],
-            "resume_ms": rebuild["resume"], "redone": rebuild["redone"]}
+def kill_run(program: tuple[str, ...], ranks: int, steps: int, run_dir: Path) -> dict:
+    rebuild = timeline(run(program, ranks, steps, run_dir, ["--spares", "1", "--inject", f"1@{steps // 2}"]))[0]
+    return {"down_s": rebuild["down"] / 1e3, "redone": rebuild["redone"],
+            **{f"{phase}_ms": rebuild[phase] for phase in PHASES}}
 
 
-def rows(ways: list[str], ranks: int, steps: int, repeat: int, tmp: Path) -> list[dict]:
+def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: Path) -> list[dict]:
     rates: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(repeat):  # alternated: the machine's slow spells spread over every way
+    downs: dict[str, list[dict]] = {name: [] for name in ways}
+    for i in range(max(repeat, kills)):  # alternated: the machine's slow spells spread over every way
         for name in ways:
-            rates[name].append(steps_per_s(WAYS[name], ranks, steps, tmp / f"{name}-clean-{i}"))
-    return [{**kill_row(name, WAYS[name], ranks, steps, tmp), "steps_per_s": statistics.median(rates[name]),
-             "steps_per_s_runs": rates[name]} for name in ways]
+            if i < repeat:
+                rates[name].append(steps_per_s(WAYS[name], ranks, steps, tmp / f"{name}-clean-{i}"))
+            if i < kills:
+                downs[name].append(kill_run(WAYS[name], ranks, steps, tmp / f"{name}-kill-{i}"))
+    table = []
+    for name in ways:
+        down = [d["down_s"] for d in downs[name]]
+        phases = {f"{p}_ms": statistics.median(d[f"{p}_ms"] for d in downs[name]) for p in PHASES}
+        table.append({"way": name, "ranks": ranks, "steps_per_s": statistics.median(rates[name]),
+                      "steps_per_s_runs": rates[name], "down_s": statistics.median(down),
+                      "down_mean_s": statistics.fmean(down), "down_max_s": max(down), "down_runs": down,
+                      "redone": max(d["redone"] for d in downs[name]), **phases})
+    return table
 
 
 def main() -> int:
@@ -73,27 +90,34 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"which rows, of {','.join(WAYS)} (mpi first: the base)")
     parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per way, alternated (median)")
+    parser.add_argument("--kills", type=int, default=3, help="runs with a kill per way, alternated (median, mean, max)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
     ways = args.ways.split(",")
     if ways[0] != "mpi" or not set(ways) <= set(WAYS):
         parser.error(f"--ways: names of {', '.join(WAYS)}, mpi first (the ratios are to it)")
     with tempfile.TemporaryDirectory() as tmp:
-        table = rows(ways, args.ranks, args.steps, args.repeat, Path(tmp))
+        table = rows(ways, args.ranks, args.steps, args.repeat, args.kills, Path(tmp))
     if args.json:
         for r in table:
             print(json.dumps(r))
         return 0
+    by_way = {r["way"]: r for r in table}
     base, base_down = table[0]["steps_per_s"], table[0]["down_s"]
+    ddp_down = by_way["ddp"]["down_s"] if "ddp" in by_way else None
     print(f"{args.ranks} ranks, {args.steps} steps, commit every 5, steps/s the median of {args.repeat} runs; "
-          f"kill of logical rank 1 at step {args.steps // 2}, a spare takes over; ms unless said")
-    head = ("way", "steps/s", "vs mpi", "down s", "vs mpi", "detect", "agree", "rebuild", "restore", "resume", "redone")
+          f"kill of logical rank 1 at step {args.steps // 2}, a spare takes over, {args.kills} runs: down the median "
+          "(mean, max), phases the medians in ms")
+    head = ("way", "steps/s", "vs mpi", "down s", "mean", "max", "vs mpi", "vs ddp") + PHASES + ("redone",)
     print(" | ".join(head))
     for r in table:
         print(" | ".join([r["way"], f"{r['steps_per_s']:.1f}", f"{r['steps_per_s'] / base:.2f}", f"{r['down_s']:.3f}",
-                          f"{r['down_s'] / base_down:.2f}"]
-                         + [f"{r[k]:.1f}" if r[k] is not None else "-" for k in
-                            ("detect_ms", "agree_ms", "rebuild_ms", "restore_ms", "resume_ms")] + [str(r["redone"])]))
+                          f"{r['down_mean_s']:.3f}", f"{r['down_max_s']:.3f}", f"{r['down_s'] / base_down:.2f}",
+                          f"{r['down_s'] / ddp_down:.2f}" if ddp_down else "-"]
+                         + [f"{r[f'{p}_ms']:.1f}" for p in PHASES] + [str(r["redone"])]))
+    if {"transformer-ddp", "transformer-fsdp"} <= set(by_way):
+        same = by_way["transformer-fsdp"]["down_s"] / by_way["transformer-ddp"]["down_s"]
+        print(f"FSDP2 against DDP on the same transformer: down {same:.2f}x")
     return 0
 
 
