@@ -42,7 +42,11 @@ _PRELOAD = ("numpy", "torch", "xxhash", "networkx", "elastic", "elastic.comm._jo
 _FDS = 4  # stdin, stdout, stderr, the sentinel's page
 _CLONE_NEWNS, _CLONE_NEWUTS = 0x00020000, 0x04000000
 STATUS_SECONDS = 1.0  # how long a sentinel waits for the warm process to say how its child ended
-ANSWER_SECONDS = 30.0  # how long a sentinel waits for the warm process to fork its rank, and it for a request
+# How long a sentinel waits for the warm process to fork its rank (it takes milliseconds), and the
+# warm process for a sentinel's request. Then the sentinel starts its rank cold, which must still fit
+# in a spawn's bound (``_rebuild.JOIN_SECONDS``, 30 s: this and a cold start, a few seconds, well
+# inside); the launcher kills a warm process stopped this long (``_supervise``).
+ANSWER_SECONDS = 5.0
 
 
 # ------------------------------------------------------------------ the sentinel's side

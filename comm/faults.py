@@ -39,7 +39,9 @@ killed; only on simulated nodes, whose memory dies with them: the launcher
 writes ``nodeK@STEP`` as this on node K's first rank), ``runtime`` (SIGKILL to
 the job's ``prterun``: the runtime is gone, every node's memory stays; the
 processes are left to the launcher), ``warm`` (SIGKILL to this host's warm process, which forks
-ranks, ``elastic.comm._warm``; the rank goes on: the next rank started here starts cold).
+ranks, ``elastic.comm._warm``; the rank goes on: the next rank started here starts cold),
+``warm-stop`` (SIGSTOP to it: a rank started here waits ``_warm.ANSWER_SECONDS`` for it, then
+starts cold; the launcher kills a warm process stopped that long).
 """
 from __future__ import annotations
 
@@ -60,9 +62,9 @@ __all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POI
 
 INJECT_ENV = "ELASTIC_INJECT"
 POINTS = ("step", "collective", "gather", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
-ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm")
+ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm", "warm-stop")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
-QUIET_ACTIONS = DATA_ACTIONS + ("warm",)   # the process goes on: no outcome is written for them
+QUIET_ACTIONS = DATA_ACTIONS + ("warm", "warm-stop")  # the process goes on: no outcome is written for them
 STEP_POINTS = ("step", "collective", "gather", "update", "commit")
 LOOP_POINTS = ("step", "collective", "gather", "update")  # inside a step the loop tells
 EXIT_CODE = 3  # what the ``exit`` action exits with
@@ -237,7 +239,8 @@ EFFECTS: dict[str, Callable[[str | None, str], None]] = {
     "stall": _stall,
     "node": lambda warm, where: _kill_node(),
     "runtime": lambda warm, where: _kill_runtime(),
-    "warm": lambda warm, where: _kill_warm(warm),
+    "warm": lambda warm, where: _signal_warm(warm, signal.SIGKILL),
+    "warm-stop": lambda warm, where: _signal_warm(warm, signal.SIGSTOP),
     "raise": _raise,
 }
 
@@ -302,8 +305,9 @@ def _namespace(pid: int) -> str | None:
         return None
 
 
-def _kill_warm(path: str | None) -> None:
-    """SIGKILL the warm process listening at ``path`` (its pid from the socket's peer credentials)."""
+def _signal_warm(path: str | None, sig: int) -> None:
+    """Send ``sig`` to the warm process listening at ``path`` (its pid from the socket's peer
+    credentials)."""
     if not path:
         return
     import socket
@@ -314,7 +318,7 @@ def _kill_warm(path: str | None) -> None:
         except OSError:
             return  # gone already
         pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
 
 
 def _kill_runtime() -> None:

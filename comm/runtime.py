@@ -3,7 +3,7 @@ tests of this project, not for training programs (those see ``elastic`` and ``el
 
 One public door instead of reaching into comm's private modules: the relaunch
 record the launcher hands every process, the membership table's spare marker,
-the rebuild modes, the sentinel's bound for a stopped sentinel, how a tool
+the rebuild modes, the sentinel's bound for a stopped sentinel and its wait for the warm process, how a tool
 keeps MPI uninitialized, how a package loads its names on first use, how to
 tell an agreed error (raised alike on every rank) from a local one, a
 ``Group``'s first survivor (for anything that implements the contract), and the
@@ -19,8 +19,9 @@ from ._lazy import keep_mpi_uninitialized, lazy_exports
 from ._policy import fill
 from ._ranks import SPARE
 from ._table import Setting, check, fields_match, read, text, write
+from ._warm import ANSWER_SECONDS as WARM_ANSWER_SECONDS
 from ._watchdog import STOPPED_SENTINEL_SECONDS
 
-__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "first_survivor", "is_agreed",
-           "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check", "fields_match", "read",
-           "text", "write", "fill"]
+__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "WARM_ANSWER_SECONDS", "first_survivor",
+           "is_agreed", "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check", "fields_match",
+           "read", "text", "write", "fill"]

@@ -38,7 +38,8 @@ INJECT_HELP = (
     "recovery point if it has one), commitV (inside the commit of version V), agree, rebuild, restore, spawn, "
     "finish; sK@park "
     "for the K-th parked spare; nodeK@S on --simulate-nodes. ACTION: kill (default), exit, raise, hang (SIGSTOP), "
-    "stall, node, runtime, warm (kill the warm process), nan, bitflip, slow=X. GEN: the generation it fires in "
+    "stall, node, runtime, warm (kill the warm process), warm-stop (SIGSTOP it), nan, bitflip, slow=X. GEN: "
+    "the generation it fires in "
     "(default 0). E.g. 1@10, 1@10,2@10, 1@10.1, 2@c5:hang, 1@g5, 3@rebuild/g1, 1@20:nan, 2@10:slow=3")
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS
+from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS, WARM_ANSWER_SECONDS
 from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
 from elastic.comm.faults import LOOP_POINTS, Injection
 
@@ -111,6 +111,7 @@ class Attempt:
         self.leftovers: list[int] = []
         self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
         self.killed_stopped: list[int] = []
+        self.warm_stopped_since: float | None | bool = None  # False: killed already
         self.swept = 0.0
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -137,6 +138,7 @@ class Attempt:
             if now - self.swept > SWEEP_SECONDS:
                 self.swept = now
                 self._sweep_stopped_sentinels(now)
+                self._end_a_stopped_warm_process(now)
             time.sleep(0.1)
         # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans, and
         # the ranks the warm process forked (outside mpiexec's session; a stopped one cannot act on its
@@ -173,6 +175,21 @@ class Attempt:
                 self.killed_stopped.append(pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+    def _end_a_stopped_warm_process(self, now: float) -> None:
+        """Kill this host's warm process once it has been stopped for as long as a sentinel waits for
+        it (``WARM_ANSWER_SECONDS``): the ranks started from then on start cold, and a request it holds
+        unread (a sentinel's streams, passed with it) no longer keeps mpiexec from ending."""
+        if self.warm is None or self.warm_stopped_since is False:
+            return
+        stopped = bool(_processes(lambda pid, fields: pid == self.warm and fields[0] in "Tt"))
+        self.warm_stopped_since = (self.warm_stopped_since or now) if stopped else None
+        if stopped and now - self.warm_stopped_since >= WARM_ANSWER_SECONDS:
+            print(f"[launch] the warm process pid {self.warm} has been stopped for {now - self.warm_stopped_since:.0f}"
+                  " s: killed; ranks started on this host from now on start cold", file=sys.stderr, flush=True)
+            self.warm_stopped_since = False  # once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.warm, signal.SIGKILL)
 
     @property
     def lost_nodes(self) -> set[str]:

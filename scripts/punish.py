@@ -10,10 +10,12 @@ victim in ``/proc`` and sends it a signal, knowing nothing of the job's state.
 Each run draws from the seed:
 
 * a victim: an active rank's program, that rank's sentinel, a parked spare, two
-  ranks at once, the launcher itself, or a whole simulated node (its runtime
-  daemon and every process under it, frozen then killed);
+  ranks at once, the launcher itself, a whole simulated node (its runtime
+  daemon and every process under it, frozen then killed), or this host's warm
+  process (then a rank is SIGKILLed, mostly in spawn mode, so that its
+  replacement must come from the warm process, or cold when it cannot);
 * a signal: KILL, STOP, TERM, SEGV, INT, ABRT or HUP (the launcher: TERM, INT or
-  HUP, a user's or a batch system's stop; a node: KILL);
+  HUP, a user's or a batch system's stop; a node: KILL; the warm process: any);
 * a rebuild mode (spare, spawn, shrink), and the moment.
 
 Each job is then checked: exit 0 with the model and optimizer bitwise the
@@ -50,7 +52,7 @@ from elastic.report import final_steps  # noqa: E402
 RANKS, STEPS = 4, 400
 PROGRAM = ("examples/train.py", "--steps", str(STEPS), "--dropout", "0", "--replication", "3")
 HANG_TIMEOUT = 3
-VICTIMS = ("rank", "rank", "sentinel", "sentinel", "spare", "pair", "launcher", "node")
+VICTIMS = ("rank", "rank", "sentinel", "sentinel", "spare", "pair", "launcher", "node", "warm")
 SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGSEGV", "SIGINT", "SIGABRT", "SIGHUP")
 STOPS = ("SIGTERM", "SIGINT", "SIGHUP")
 WINDOW = 0.8  # the signal comes this share of a failure-free run's training time after the first step, at most
@@ -77,7 +79,8 @@ def draw(rng: random.Random, training_seconds: float) -> Scenario:
     seconds missed most jobs)."""
     victim = rng.choice(VICTIMS)
     sig = rng.choice(STOPS if victim == "launcher" else ("SIGKILL",) if victim == "node" else SIGNALS)
-    mode = "spare" if victim in ("spare", "node") else rng.choice(("spare", "spawn", "shrink"))
+    mode = "spare" if victim in ("spare", "node") else rng.choice(("spawn", "spawn", "spare")) if victim == "warm" \
+        else rng.choice(("spare", "spawn", "shrink"))
     return Scenario(victim, sig, mode, round(rng.uniform(0, WINDOW * training_seconds), 3))
 
 
@@ -153,6 +156,10 @@ def victims(scenario: Scenario, launcher: int, run_dir: Path, rng: random.Random
         if not daemons:
             return []
         return [rng.choice(daemons)]  # the node: its daemon; the caller takes everything under it
+    if scenario.victim == "warm":  # this host's warm process, then a rank, whose replacement it would fork
+        warm = [p for p in below if b"elastic.comm._warm" in _cmdline(p)]
+        ranks = victims(dataclasses.replace(scenario, victim="rank"), launcher, run_dir, rng)
+        return warm[:1] + ranks if warm and ranks else []
     sentinels = [p for p in below if b"elastic.comm._sentinel" in _cmdline(p)]
     programs = {s: c for s, c in programs_of(run_dir).items() if s in sentinels}
     roles = {}
@@ -193,6 +200,11 @@ def punish(scenario: Scenario, pids: list[int], run_dir: Path) -> None:
         for each in (signal.SIGSTOP, signal.SIGKILL):
             for p in node:
                 _send(p, each)
+        return
+    if scenario.victim == "warm":  # the warm process gets the signal drawn, the rank after it a SIGKILL
+        _send(pids[0], sig)
+        for p in pids[1:]:
+            _send(p, signal.SIGKILL)
         return
     for p in pids:
         _send(p, sig)
