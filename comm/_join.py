@@ -71,7 +71,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
     if not MPI.Is_initialized():  # a tool's main() told mpi4py not to initialize
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     _STARTUP.update(began=_process_began(), mpi_start=mpi_start, mpi_init=time.time() - mpi_start)
-    WATCHDOG.start()  # from here on a stopped or frozen process is found by its sentinel
+    WATCHDOG.start(config.run_dir)  # from here on a stopped or frozen process is found by its sentinel
     _log.setup(config.log_level)
     alone = _started_alone()
     check_ulfm(config.require_ulfm if config.require_ulfm is not None else not alone)

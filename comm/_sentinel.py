@@ -37,13 +37,13 @@ This module imports no MPI.
 from __future__ import annotations
 
 import ctypes
-import json
 import select
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -52,6 +52,7 @@ from . import _warm
 from ._config import Config
 from ._errors import ConfigError
 from ._watchdog import SENTINEL_FD_ENV, SENTINEL_PID_ENV, STOPPED_SENTINEL_SECONDS, Page
+from .events import write_fate
 
 EXIT_GRACE = 30.0        # after an announced exit: MPI_Finalize may hang after failures (ompi #11404)
 POLL_SECONDS = 0.1
@@ -61,6 +62,9 @@ POLL_SECONDS = 0.1
 AUTO_FACTOR, AUTO_FLOOR, AUTO_STEPS = 20.0, 120.0, 3
 DUMP_SECONDS = 1.0       # time given to a stuck process to print its traceback (SIGUSR1) before the kill
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# The others that end a process by default: recorded as the rank's end before the sentinel dies of them.
+_FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGQUIT,
+          signal.SIGALRM, signal.SIGTRAP, signal.SIGSYS)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -87,6 +91,8 @@ class Sentinel:
 
     def run(self) -> int:
         env = {**os.environ, SENTINEL_FD_ENV: str(self.page.fd), SENTINEL_PID_ENV: str(os.getpid())}
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FATAL)  # for _await_fatal (the program unblocks them)
+        threading.Thread(target=self._await_fatal, name="sentinel-fatal", daemon=True).start()
         try:
             warm, why = _warm.start(self.warm_socket, self.command, env, self.page.fd) if self.warm_socket else \
                 (None, "")
@@ -210,16 +216,23 @@ class Sentinel:
     def _write_fate(self, end: str, **fields: Any) -> None:
         if self.run_dir is None:
             return
-        host, pid = socket.gethostname(), self.child.pid
-        record = {"end": end, "pid": pid, "sentinel_pid": os.getpid(), "host": host, "t": time.time(),
-                  "step": self.page.read()["step"], **fields}
         try:
-            path = self.run_dir / f"fate-{host}-{pid}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record))
-            tmp.replace(path)
+            write_fate(self.run_dir, self.child.pid, end, sentinel_pid=os.getpid(), step=self.page.read()["step"],
+                       **fields)
         except OSError as exc:
-            sys.stderr.write(f"[sentinel] could not record the end of pid {pid}: {exc}\n")
+            sys.stderr.write(f"[sentinel] could not record the end of pid {self.child.pid}: {exc}\n")
+
+    def _await_fatal(self) -> None:
+        """A thread of its own: a signal that would end this process without a word (SIGSEGV,
+        SIGABRT, ... sent from outside) is recorded as the program's end, then ends it (its
+        program with it: its parent-death signal). They are blocked in every thread and taken
+        here: a real fault of this process's own code, blocked, still ends it at once."""
+        info = signal.sigwaitinfo(_FATAL)
+        sig = signal.Signals(info.si_signo)
+        self._write_fate("sentinel-signalled", signal=sig.name, sender=info.si_pid)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)  # its default action: this thread is the one that takes it now
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def auto_bound(slowest: float, steps: int) -> float:
@@ -252,6 +265,7 @@ def _die_with_parent(sentinel: int) -> Any:
     prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
 
     def arm() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FATAL)  # the sentinel's mask, not the program's
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != sentinel:  # the sentinel died before the signal was armed

@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Iterator
 
+from .events import write_fate
+
 SENTINEL_FD_ENV = "ELASTIC_SENTINEL_FD"
 SENTINEL_PID_ENV = "ELASTIC_SENTINEL_PID"
 WARM_CHILD_ENV = "ELASTIC_WARM_CHILD"  # set in a rank a warm process forked: the pid of its sentinel
@@ -93,6 +95,7 @@ class Watchdog:
         self._page = page
         self._sentinel = sentinel_pid
         self._thread: threading.Thread | None = None
+        self._run_dir: str | None = None
 
     @classmethod
     def from_env(cls) -> "Watchdog":
@@ -120,8 +123,10 @@ class Watchdog:
         """The sentinel's pid (the process the runtime started for this rank), if one watches."""
         return self._sentinel
 
-    def start(self) -> None:
-        """Start the heartbeat thread (idempotent)."""
+    def start(self, run_dir: str | None = None) -> None:
+        """Start the heartbeat thread (idempotent); ``run_dir``: where it records a stopped
+        sentinel's end and its own, which the sentinel cannot."""
+        self._run_dir = run_dir
         if self._page is None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
@@ -195,6 +200,10 @@ class Watchdog:
             elif stopped_since is None:
                 stopped_since = now
             elif now - stopped_since > self._page["bound_ms"] / 1000:
+                if self._run_dir:  # the sentinel cannot say it: its end and this one's, in its place
+                    with contextlib.suppress(OSError):
+                        write_fate(self._run_dir, os.getpid(), "sentinel-stopped", sentinel_pid=self._sentinel,
+                                   seconds=self._page["bound_ms"] / 1000, step=self._page["step"])
                 os.kill(self._sentinel, signal.SIGKILL)  # this process follows: its parent-death signal
             time.sleep(BEAT_SECONDS)
 

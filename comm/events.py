@@ -151,6 +151,23 @@ def outcome_path(run_dir: str | os.PathLike[str], host: str, pid: int) -> Path:
     return Path(run_dir) / f"outcome-{host}-{pid}.json"
 
 
+def write_fate(run_dir: str | os.PathLike[str], pid: int, end: str, **fields: Any) -> bool:
+    """Record how the program ``pid`` on this host ended (``fate-<host>-<pid>.json``), unless a
+    record is there already: the first word on an end stands (its sentinel's, or the program's
+    own on its sentinel's behalf). False when one was there; ``OSError`` when it cannot be written."""
+    host = socket.gethostname()
+    path = Path(run_dir) / f"fate-{host}-{pid}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"end": end, "pid": pid, "host": host, "t": time.time(), **fields}))
+    try:
+        os.link(tmp, path)  # atomic, and never over another's record
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         doc: dict[str, Any] = json.loads(path.read_text())
@@ -196,6 +213,11 @@ def describe_end(outcome: dict[str, Any] | None, fate: dict[str, Any] | None) ->
     end = fate["end"]
     if end == "died":
         what = f"exited with code {fate['code']}" if "code" in fate else f"killed by {fate['signal']}"
+    elif end == "sentinel-signalled":
+        sender = f" from pid {fate['sender']}" if fate.get("sender") else ""
+        what = f"ended with its sentinel, which got {fate.get('signal')}{sender}"
+    elif end == "sentinel-stopped":
+        what = f"its sentinel was stopped for {fate.get('seconds')} s: killed it, and ended with it"
     else:
         what = {"hung": f"hung (no heartbeat for {fate.get('seconds')} s), killed by its sentinel",
                 "no-progress": f"made no progress for {fate.get('seconds')} s, killed by its sentinel",

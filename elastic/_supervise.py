@@ -111,7 +111,8 @@ class Attempt:
         self.leftovers: list[int] = []
         self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
         self.killed_stopped: list[int] = []
-        self.warm_stopped_since: float | None | bool = None  # False: killed already
+        self.warm_stopped_since: float | None = None  # since when this host's warm process is stopped
+        self.warm_killed = False
         self.swept = 0.0
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -180,16 +181,18 @@ class Attempt:
         """Kill this host's warm process once it has been stopped for as long as a sentinel waits for
         it (``WARM_ANSWER_SECONDS``): the ranks started from then on start cold, and a request it holds
         unread (a sentinel's streams, passed with it) no longer keeps mpiexec from ending."""
-        if self.warm is None or self.warm_stopped_since is False:
+        if self.warm is None or self.warm_killed:
             return
-        stopped = bool(_processes(lambda pid, fields: pid == self.warm and fields[0] in "Tt"))
-        self.warm_stopped_since = (self.warm_stopped_since or now) if stopped else None
-        if stopped and now - self.warm_stopped_since >= WARM_ANSWER_SECONDS:
-            print(f"[launch] the warm process pid {self.warm} has been stopped for {now - self.warm_stopped_since:.0f}"
-                  " s: killed; ranks started on this host from now on start cold", file=sys.stderr, flush=True)
-            self.warm_stopped_since = False  # once
+        if not _processes(lambda pid, fields: pid == self.warm and fields[0] in "Tt"):
+            self.warm_stopped_since = None
+            return
+        since = self.warm_stopped_since = self.warm_stopped_since or now
+        if now - since >= WARM_ANSWER_SECONDS:
+            print(f"[launch] the warm process pid {self.warm} has been stopped for {now - since:.0f} s: killed; "
+                  "ranks started on this host from now on start cold", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.warm, signal.SIGKILL)
+            self.warm_killed = True
 
     @property
     def lost_nodes(self) -> set[str]:
@@ -276,13 +279,14 @@ def summarize(run_dir: Path, schedule: tuple[Injection, ...] = (), only: set[int
     stop = next((o for o in outcomes.values() if o["status"] == "error"), None)
     after_finish = [o for o in outcomes.values() if o.get("after_finish")]
     finished = "finished" in statuses and stop is None and not after_finish
-    fired = {(e["rank"], e["step"], e["point"], e["action"], e["gen"]) for e in events if e["event"] == "inject"}
-    never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen) not in fired]
+    fired = {(e["rank"], e["step"], e["point"], e["action"], e["gen"], e.get("micro")) for e in events
+             if e["event"] == "inject"}
+    never = [i for i in schedule if (i.rank, i.step, i.point, i.action, i.gen, i.micro) not in fired]
     counts: dict[str, int] = {}
     for pid in pids:  # by what the process said, else by what its sentinel saw
         key = "stopped on request" if stopped and _ended_by_a_stop(outcomes.get(pid), fates.get(pid), since) else \
             outcomes[pid]["status"] if pid in outcomes else fates[pid]["end"] if pid in fates else \
-            "died without a word"
+            "died with its sentinel, without a word"
         counts[key] = counts.get(key, 0) + 1
     return Summary(finished=finished, processes=len(pids), counts=counts, deaths=deaths,
                    stopped_by={"kind": stop["kind"], "message": stop["message"]} if stop else None,
@@ -328,7 +332,8 @@ def _how(outcome: dict | None, fate: dict | None) -> str:
     """One line on how a process ended."""
     end = describe_end(outcome, fate)
     if end is None:
-        return "died without a word (no outcome, no sentinel record)"
+        return ("died with its sentinel, without a word (no outcome, no sentinel record: a SIGKILL to the "
+                "sentinel, or its host lost)")
     if outcome is not None and outcome["status"] in ("failed", "error"):
         scope = "stopped the job" if outcome["status"] == "error" else "failed"
         scope += " after finishing" if outcome.get("after_finish") else ""

@@ -111,7 +111,8 @@ def test_any_signal_to_a_sentinel_is_that_ranks_failure_and_no_other(tmp_path, r
     TERM is passed on and the sentinel then dies by it (a plain exit 143 was never reported: the
     survivors waited for ever); SEGV kills the sentinel and its program with it (the parent-death
     signal: an orphan still in MPI made rank 0 abort); a stopped sentinel is killed by its own
-    program after the hang bound; INT as TERM. Each is one rebuild with exactly one rank lost."""
+    program after the hang bound; INT as TERM. Each is one rebuild with exactly one rank lost, and
+    each death is named by its cause (the SEGV by the sentinel, the stop by its program)."""
     job_dir = tmp_path / "run"
     proc = _start(job_dir, "--spares", "4", "--hang-timeout", "3", steps=1500)
     signals = ((1, signal.SIGTERM), (2, signal.SIGSEGV), (3, signal.SIGSTOP), (0, signal.SIGINT))
@@ -125,9 +126,14 @@ def test_any_signal_to_a_sentinel_is_that_ranks_failure_and_no_other(tmp_path, r
     assert [(rebuilds[g]["mode"], rebuilds[g]["failed"]) for g in sorted(rebuilds)] == \
         [("spare", [logical]) for logical, _ in signals], job.output
     ends = {f["sentinel_pid"]: (f["end"], f.get("signal")) for f in job.fates}
-    assert sorted(e for e in ends.values() if e[0] == "terminated") == [("terminated", "SIGINT"),
-                                                                      ("terminated", "SIGTERM")]
+    assert sorted(e for e in ends.values() if e[0] != "exited") == [
+        ("sentinel-signalled", "SIGSEGV"), ("sentinel-stopped", None), ("terminated", "SIGINT"),
+        ("terminated", "SIGTERM")]
     assert job.statuses().count("finished") == 4 and "error" not in job.statuses()
+    # Each death named by its cause in the launcher's summary: none "died without a word"
+    assert "ended with its sentinel, which got SIGSEGV from pid" in job.output
+    assert "its sentinel was stopped for 3.0 s: killed it, and ended with it" in job.output
+    assert "without a word" not in job.output
 
 
 def test_a_rank_that_recovers_while_its_peers_vote_does_not_leave_them_waiting(tmp_path):
@@ -345,7 +351,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out
-    assert "died without a word" not in out and "stopped on request (SIGTERM)" in out
+    assert "without a word" not in out and "stopped on request (SIGTERM)" in out
     alive = [pid for pid in pids if _alive(pid)]
     assert len(pids) == 5 and not alive, (pids, alive)
 

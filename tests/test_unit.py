@@ -109,7 +109,8 @@ def test_launcher_decides_from_outcomes_not_exit_status(tmp_path):
     summary = launch.summarize(tmp_path)
     assert summary.finished is True
     assert {d["pid"]: d["how"] for d in summary.deaths} == {
-        2: "injected kill at step 3", 4: "died without a word (no outcome, no sentinel record)"}
+        2: "injected kill at step 3", 4: "died with its sentinel, without a word (no outcome, no sentinel record: "
+                                         "a SIGKILL to the sentinel, or its host lost)"}
     _write(tmp_path, 5, "error", kind="DataLost", message="state lost")  # the job stopped on every rank
     summary = launch.summarize(tmp_path)
     assert summary.finished is False and summary.stopped_by == {"kind": "DataLost", "message": "state lost"}
