@@ -53,7 +53,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
     world = _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ,
                        before_parking=None if rehearse is None else functools.partial(_rehearse, rehearse))
     if sys.modules.get("torch") is not None:
-        from .distributed import serve_init_process_group
+        from ._torchrun import serve_init_process_group
 
         serve_init_process_group(world)  # torch.distributed.init_process_group() makes the World's group
         if world.job.settings.faults_scheduled:

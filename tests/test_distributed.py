@@ -249,7 +249,7 @@ def test_init_process_group_under_elastic_makes_the_worlds_group_or_says_what_to
     a call with a rendezvous of its own is torch's (no MASTER_ADDR: torch's own error)."""
     import torch.distributed as dist
 
-    import elastic.distributed as ed
+    import elastic._torchrun as ed
 
     monkeypatch.setattr(ed, "_SERVED", [object()])
     with pytest.raises(ConfigError, match=r"elastic.distributed.ProcessGroup\(world, backend=...\)"):
