@@ -31,7 +31,7 @@ import argparse
 import dataclasses
 import hashlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -177,6 +177,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
     return loss, norm
 
 
+def run_steps(world: elastic.World, state: elastic.State, model: Any, optimizer: torch.optim.Optimizer,
+              batches: elastic.GlobalBatches, corpus: torch.Tensor, args: argparse.Namespace,
+              save: Callable[[], None] = lambda: None) -> None:
+    """The loop from ``state.step`` to ``--steps``: each step recorded, a commit every
+    ``--commit-every`` with ``save()`` before it (DCP's, for FSDP2)."""
+    while state.step < args.steps:
+        world.fault_point(state.step)
+        mine = torch.from_numpy(batches.shard(state.step, world))
+        loss, norm = train_step(model, optimizer, corpus[mine], world.size, args)
+        state.step += 1
+        state.loss = float(loss)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2's is a DTensor
+        state.record_step(state.step, state.loss, total=args.steps, grad_norm=float(norm))
+        if state.step % args.commit_every == 0:
+            save()
+            state.commit()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -232,16 +250,8 @@ def main() -> int:
         if state.step > 0:  # a roll-back to the last save, re-sharded by DCP if the world changed size
             dcp.load({"app": Checkpoint(model, optimizer)}, storage_reader=checkpoint)
         job["fresh"] = False
-        while state.step < args.steps:
-            world.fault_point(state.step)
-            mine = torch.from_numpy(batches.shard(state.step, world))
-            loss, norm = train_step(model, optimizer, corpus[mine], world.size, args)
-            state.step += 1
-            state.loss = float(loss)
-            state.record_step(state.step, state.loss, total=args.steps, grad_norm=float(norm.full_tensor()))
-            if state.step % args.commit_every == 0:
-                dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint)
-                state.commit()
+        run_steps(world, state, model, optimizer, batches, corpus, args,
+                  save=lambda: dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint))
         full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
         job["model_sha256"] = digest(get_model_state_dict(model, options=full))
         job["optimizer_sha256"] = digest(get_optimizer_state_dict(model, optimizer, options=full))
@@ -265,15 +275,7 @@ def ddp(args: argparse.Namespace, model: Transformer, corpus: torch.Tensor) -> i
 
     @elastic.run
     def train(world: elastic.World, state: elastic.TorchState) -> float:
-        while state.step < args.steps:
-            world.fault_point(state.step)
-            mine = torch.from_numpy(batches.shard(state.step, world))
-            loss, norm = train_step(wrapped, optimizer, corpus[mine], world.size, args)
-            state.step += 1
-            state.loss = float(loss)
-            state.record_step(state.step, state.loss, total=args.steps, grad_norm=float(norm))
-            if state.step % args.commit_every == 0:
-                state.commit()
+        run_steps(world, state, wrapped, optimizer, batches, corpus, args)
         return state.loss
 
     loss = train(world, state)

@@ -284,20 +284,14 @@ def test_with_accumulation_the_sampler_cuts_each_step_and_its_fault_point_counts
     pieces = list(micro)
     assert len(pieces) == len(micro) == 2 * len(plain) == 12
     assert [pieces[2 * i] + pieces[2 * i + 1] for i in range(6)] == list(plain)
-    armed = GlobalBatchSampler(SimJob(3, inject="1@2:raise").rank(1), 50, 8, step=lambda: 0, seed=4,
-                               accumulation=2)
-    drawn = []
-    with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
-        for piece in armed:
-            drawn.append(piece)
-    assert drawn == pieces[:4]  # steps 0 and 1, two pieces each: the fault is at step 2's first
-    second = GlobalBatchSampler(SimJob(3, inject="1@2.1:raise").rank(1), 50, 8, step=lambda: 0, seed=4,
-                                accumulation=2)
-    drawn = []
-    with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
-        for piece in second:
-            drawn.append(piece)
-    assert drawn == pieces[:5]  # R@S.M: micro-batch 1 of step 2, the sixth
+    # 1@2: steps 0 and 1, two pieces each, then the fault at step 2's first; 1@2.1 (R@S.M): at the sixth
+    for inject, before in (("1@2:raise", 4), ("1@2.1:raise", 5)):
+        armed = GlobalBatchSampler(SimJob(3, inject=inject).rank(1), 50, 8, step=lambda: 0, seed=4, accumulation=2)
+        drawn = []
+        with pytest.raises(InjectedFault, match="step=2 on logical rank 1"):
+            for piece in armed:
+                drawn.append(piece)
+        assert drawn == pieces[:before], inject
     with pytest.raises(elastic.ConfigError, match="accumulation=0"):
         GlobalBatchSampler(SimJob(1).rank(0), 50, 8, step=lambda: 0, accumulation=0)
 
