@@ -94,6 +94,22 @@ def test_the_launcher_sizes_each_processs_thread_pools_as_torchrun_does(tmp_path
     assert omp_threads(args) is None and "OMP_NUM_THREADS" not in launch.build_command(args, 5)
 
 
+def test_ranks_yield_their_core_where_a_machine_has_more_processes_than_cores(tmp_path, monkeypatch):
+    """mpi_yield_when_idle where this machine's processes outnumber its cores: every simulated
+    node on it counts, a real host by its own share; the user's --mca wins (it comes last)."""
+    def yields(argv: list[str], nprocs: int) -> bool:
+        cmd = launch.build_command(launch.parse_args([*argv, "--run-dir", str(tmp_path), "--", "python", "x.py"]),
+                                   nprocs)
+        at = [i for i, x in enumerate(cmd) if x == "mpi_yield_when_idle"]
+        return bool(at) and cmd[at[-1] + 1] == "1"
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert not yields(["-n", "4"], 4) and yields(["-n", "4", "--spares", "1"], 5)
+    assert yields(["-n", "4", "--simulate-nodes", "2"], 4) is False  # 2 + 2 on 4 cores
+    assert yields(["-n", "6", "--simulate-nodes", "3"], 6)  # 3 nodes of 2 each, all on this machine
+    assert not yields(["-n", "6", "--simulate-nodes", "3", "--mca", "mpi_yield_when_idle", "0"], 6)
+
+
 def _write(run_dir: Path, pid: int, status: str | None, **fields) -> None:
     (run_dir / f"events-h-{pid}.jsonl").write_text(json.dumps({"event": "started", "t": 0.0, "pid": pid}) + "\n")
     if status:
