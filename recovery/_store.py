@@ -131,7 +131,8 @@ class ReplicatedStore:
         self._layout: tuple[int, Layout] | None = None  # (generation, layout) of the active ranks
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
-        self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers)
+        self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers), and its phases
+        self._fetch_phases: dict[str, float] = {}  # the last fetch's: check (the copies to send), exchange, vote
         self.given_up: list[int] = []  # by the last recover(give_up=True): dead ranks whose state had no copy left
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
         self._told: tuple[tuple[int, int], list[Any]] | None = None  # the last announcement heard, and for what
@@ -243,7 +244,7 @@ class ReplicatedStore:
         nbytes = {o: n for part in known for o, n in part.items()}
         t0 = time.perf_counter()
         fetched = self._fetch(layout, dead, nbytes, live, receiver, number, give_up)
-        self.last_recovery = {"fetch": time.perf_counter() - t0}
+        self.last_recovery = {"fetch": time.perf_counter() - t0, **self._fetch_phases}
         if me in fetched:  # a replacement: its own payload, and none of the copies it should hold yet
             self._current = _Version(number, layout, {me: nbytes[me]}, {me: fetched.pop(me)}, {}, complete=False)
         elif me in self.given_up:  # a replacement whose state is gone: the version, with no payload
@@ -491,7 +492,9 @@ class ReplicatedStore:
                 unknown = {}
                 n_chunks = {o: n for o, n in n_chunks.items() if o not in lost.lost}
                 continue
+            t0 = time.perf_counter()
             corrupt = [(me, p.owner, p.first) for p in chosen.values() if p.holder == me and not self._intact(p)]
+            checked = time.perf_counter() - t0
             for _, owner, first in corrupt:
                 world.events.emit("corrupt_copy", owner=owner, chunk=first, holder=me)
             reports = world.allgather(corrupt)
@@ -508,12 +511,15 @@ class ReplicatedStore:
             if receiver[p.owner] == me:  # lands where it belongs in the payload: no second copy
                 start, size = self._span(p.first, p.count, nbytes[p.owner])
                 incoming.setdefault(p.holder, []).append(out[p.owner][start:start + size])
+        t0 = time.perf_counter()
         try:
             self.bytes_moved = world.exchange(outgoing, incoming, point="restore")
             ok = True
         except ProcessFailure:
             ok = False
+        t1 = time.perf_counter()
         self._vote(ok)
+        self._fetch_phases = {"check": checked, "exchange": t1 - t0, "vote": time.perf_counter() - t1}
         world.events.emit("restored", chunks=sum(p.count for p in chosen.values() if receiver[p.owner] == me),
                           bytes_in=int(sum(b.nbytes for b in out.values())), bytes_out=self.bytes_moved)
         return out
