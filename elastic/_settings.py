@@ -49,6 +49,8 @@ class Training:
             finite again after its roll-back goes back one more (``ReplicatedStore.fall_back``).
         twin_check_every: steps between the twins' comparison of their shards (``State(twins=...)``,
             ``_gate.TwinCheck``; 0: off).
+        gate_every: with ``per_step=True``, the integrity gate runs at the step point of every that
+            many steps (``commit()`` runs it always; 0: at ``commit()`` only).
     """
 
     max_failures: int = 3
@@ -59,6 +61,7 @@ class Training:
     straggler_steps: int = 5
     keep_versions: int = 1
     twin_check_every: int = 100
+    gate_every: int = 100
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite.of(self.on_nonfinite))
@@ -97,6 +100,10 @@ ROWS = (
             "--twin-check-every", "steps between the twins' comparison of the shards they hold alike "
             "(State(twins=...)): a twin that differs from its shard's majority is replaced, two that differ stop "
             "the job; XXH3 over the shard, ~0.2 s per GB; 0: off"),
+    Setting("gate_every", "ELASTIC_GATE_EVERY", int, "takes steps >= 0 (0: at commit() only)", lambda v: v >= 0,
+            "--gate-every", "with State(per_step=True): steps between the integrity gate's checks at the step point "
+            "(a NaN / Inf stops the job, a rank whose shared values differ from the majority's is replaced); "
+            "XXH3 over the shared values, 1/size of them scanned per rank (bench_gate.py); 0: at commit() only"),
 )
 fields_match(ROWS, Training)
 FIELDS = frozenset(row.name for row in ROWS)

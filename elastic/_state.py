@@ -89,6 +89,7 @@ class State:
         self._public: set[str] = set()            # the program's: state[name], names()
         self._clock = StepClock(world, settings)
         self._gate = Gate(world, settings.max_failures)
+        self._gate_every = settings.gate_every if per_step else 0  # commit() runs the gate at every commit
         self._stragglers = straggler_watch(world, settings)
         self._twin_check = TwinCheck(world, twins.holders, settings.twin_check_every) \
             if twins is not None and settings.twin_check_every else None
@@ -185,7 +186,14 @@ class State:
         ``ConfigError`` on every rank, since a failure inside it would leave the bookkeeping
         after it undone on some ranks.
         """
-        self._point.step_point(self._capture(), lambda arrays: self._store.commit(arrays, self._next_version()))
+        capture = self._capture()
+        # Every point is a version: its number is what every rank agrees on, a replacement included.
+        gated = bool(self._gate_every) and self._next_version() % self._gate_every == 0
+        if gated:  # the shared values' fingerprints and the losses seen, before the point is made current
+            self._gate.check(capture, self._next_version())
+        self._point.step_point(capture, lambda arrays: self._store.commit(arrays, self._next_version()))
+        if gated:
+            self._gate.passed()
         self._world.fault_point(self._world.job.step, "update")  # the step's update runs from here
 
     def _next_version(self) -> int:

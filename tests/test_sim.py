@@ -452,6 +452,42 @@ def test_after_a_shrink_per_step_the_survivors_go_on_from_the_step_in_flight():
     assert all(got[r][1] == list(range(STEPS)) for r in got)  # no step done twice
 
 
+def test_the_gate_runs_at_the_per_step_point_too_and_fences_a_flipped_bit(per_step_reference):
+    """With ``per_step=True`` no ``commit()`` is called: the gate runs at the step point of every
+    ``gate_every``-th version. A bit flipped in rank 2's model at the end of step 3 is fenced at the
+    next gated point (version 4), the spare takes the majority's model, and the job ends bitwise the
+    failure-free run. With the gate off at the step points (``gate_every=0``) only the job's final
+    commit (version 9) finds it: every step between ran on the flipped model."""
+    job = SimJob(4, spares=1, inject="2@3:bitflip", gate_every=2)
+    assert {r: result for r, (result, _) in job.run(_per_step_main()).items()} == per_step_reference
+    assert {(e["verdict"], tuple(e["ranks"]), e["version"]) for e in job.of("integrity")} == {("fenced", (2,), 4)}
+    assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [2])]
+    late = SimJob(4, spares=1, inject="2@3:bitflip", gate_every=0)
+    late.run(_per_step_main())
+    assert {(e["verdict"], e["version"]) for e in late.of("integrity")} == {("fenced", STEPS + 1)}
+
+
+def test_a_nonfinite_loss_per_step_stops_at_the_next_gated_point_saying_why():
+    """A per-step job has no copy of its shared values to roll back to: the gate's NaN stops every
+    rank at the next gated step point, with the reason and what to use instead."""
+    def main(world):
+        state = elastic.State(world, per_step=True, w=np.zeros(2), step=0)
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                state.step_point()
+                state.w = state.w + 1
+                state.step += 1
+                state.record_step(state.step, float("nan") if state.step == 3 else 1.0)
+        return train(world, state)
+
+    job = SimJob(3, gate_every=2)
+    with pytest.raises(elastic.Unrecoverable, match="per_step=False to roll back"):
+        job.run(main)
+    assert not job.of("finished") and max(e["version"] for e in job.of("committed")) == 3  # refused at 4
+
+
 def test_a_collective_between_the_step_point_and_the_steps_end_is_refused_on_every_rank():
     job = SimJob(4)
     with pytest.raises(elastic.ConfigError, match="a collective ran between the step point"):
