@@ -22,7 +22,7 @@ from ._policy import FixedOrder, RebuildPolicy
 from ._ranks import SPARE, LogicalRank, Role
 from ._rebuild import JOIN_SECONDS, Generation, Rebuild, split_actives
 from ._ulfm import check_ulfm
-from ._watchdog import WARM_CHILD_ENV
+from ._watchdog import WARM_CHILD_ENV, WARM_HOST_ENV
 from ._world import WATCHDOG, World
 
 
@@ -114,7 +114,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
         members.procs = allgather(universe, (socket.gethostname(), os.getpid()))
     world.events.emit("started", size=members.actives(), spares=members.spares(), modes=config.rebuild,
                       sentinel=world._watchdog.active, sentinel_pid=world._watchdog.sentinel_pid,
-                      warm=WARM_CHILD_ENV in os.environ, **_STARTUP,
+                      warm=WARM_CHILD_ENV in os.environ, warm_host=os.environ.get(WARM_HOST_ENV), **_STARTUP,
                       **({"relaunch": relaunch.count} if relaunch else {}))
     if relaunch is not None and rebuild is not None:  # the report's timeline: a recovery by a relaunch
         world._announce(rebuild, lost_nodes=relaunch.lost_nodes)
@@ -156,7 +156,7 @@ def _join_as_spawned(parent: MPI.Intercomm, policy: RebuildPolicy | None) -> Wor
                   history=state["history"], step=state["step"], environ={**os.environ, **state["environ"]})
     world._lifecycle.install()
     world.events.emit("spawned", sentinel=world._watchdog.active, sentinel_pid=world._watchdog.sentinel_pid,
-                      warm=WARM_CHILD_ENV in os.environ, **_STARTUP)
+                      warm=WARM_CHILD_ENV in os.environ, warm_host=os.environ.get(WARM_HOST_ENV), **_STARTUP)
     world._rebuild(join=True)
     world._watchdog.watch_progress(True)
     return world

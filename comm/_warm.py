@@ -2,8 +2,10 @@
 
 A cold rank starts Python and imports numpy, torch, mpi4py and the program's modules: seconds on
 a busy node, paid again by every spawned replacement and every rank of a relaunch. The launcher
-keeps one warm process per host (``serve``: it has imported those, never initialised MPI, started
-no thread), listening on a Unix socket (``Config.warm_socket``, ``ELASTIC_WARM_SOCKET``). A
+keeps a warm process on its host, or on each simulated node (``serve``: it has imported those, never
+initialised MPI, started no thread), listening on a Unix socket (``Config.warm_socket``,
+``ELASTIC_WARM_SOCKET``; in each node's memory on simulated nodes, so that the same path finds each
+node's own). A
 sentinel that finds the socket asks it for the program instead of starting one (``start``): it
 sends the command, its
 environment, its working directory and its standard streams and page (as file descriptors); the
@@ -36,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._watchdog import WARM_CHILD_ENV
+from ._watchdog import WARM_CHILD_ENV, WARM_HOST_ENV
 
 _PRELOAD = ("numpy", "torch", "xxhash", "networkx", "elastic", "elastic.comm._join", "elastic.comm._world")
 _FDS = 4  # stdin, stdout, stderr, the sentinel's page
@@ -240,11 +242,13 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> NoR
                 os.close(fd)
         os.set_inheritable(int(request["page_fd"]), True)
         sentinel = int(request["sentinel"])
+        forked_on = socket.gethostname()  # the warm process's host, before the sentinel's namespaces
         _enter_namespaces(sentinel)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[WARM_CHILD_ENV] = str(sentinel)
+        os.environ[WARM_HOST_ENV] = forked_on
         _die_with(sentinel)
         world = sys.modules.get("elastic.comm._world")
         if world is not None:  # imported here before the child had the sentinel's variables

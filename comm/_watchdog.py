@@ -45,6 +45,7 @@ from .events import write_fate
 SENTINEL_FD_ENV = "ELASTIC_SENTINEL_FD"
 SENTINEL_PID_ENV = "ELASTIC_SENTINEL_PID"
 WARM_CHILD_ENV = "ELASTIC_WARM_CHILD"  # set in a rank a warm process forked: the pid of its sentinel
+WARM_HOST_ENV = "ELASTIC_WARM_HOST"  # and the host of the warm process that forked it
 BEAT_SECONDS = 0.5
 STOPPED_SENTINEL_SECONDS = 10.0  # how long a sentinel may stay stopped when the heartbeat bound is off
 PAGE = 4096

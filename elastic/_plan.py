@@ -175,13 +175,15 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     placement = _nodes.Placement.first(hosts or [(socket.gethostname(), nprocs + raw.spares)], nprocs, raw.spares)
     run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     job = f"elastic-{uuid.uuid4().hex[:12]}"
-    # One warm process, on this machine: it serves the ranks here and on its simulated nodes (not other hosts).
+    # A warm process on this machine, or on each of its simulated nodes (the socket then in each node's
+    # own /dev/shm: the same path finds the node's); other hosts start their ranks cold.
     warm = not raw.cold and (bool(raw.simulate_nodes) or {h for h, _ in hosts} <= {socket.gethostname(), "localhost"})
+    warm_socket = (f"/dev/shm/{job}.warm" if raw.simulate_nodes else f"/tmp/{job}.warm") if warm else None
     try:
         inject = _nodes.node_injections(raw.inject, placement.ranks_on(), spare_hosts) if raw.simulate_nodes \
             else raw.inject
         config = Config.from_env(**{row.name: getattr(raw, row.name) for row in CONFIG_ROWS if row.option},
-                                 warm_socket=f"/tmp/{job}.warm" if warm else None, spares=raw.spares, inject=inject,
+                                 warm_socket=warm_socket, spares=raw.spares, inject=inject,
                                  term_grace=raw.grace, run_dir=str(run_dir),
                                  node_store=f"/dev/shm/{job}" if relaunches else None,
                                  log_level="WARNING" if raw.quiet else "DEBUG" if raw.verbose else None)

@@ -103,16 +103,16 @@ def _is_sentinel(pid: int) -> bool:
 class Attempt:
     """One mpiexec run of the job, watched to its end (local)."""
 
-    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str], warm: int | None = None) -> None:
+    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str], warm: tuple[int, ...] = ()) -> None:
         self.plan = plan
-        self.warm = warm  # the warm process's pid: the ranks it forked are this launch's too
+        self.warm = warm  # the warm processes' pids (a host's each): the ranks they forked are this launch's too
         self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
         self.stopped_at: float | None = None  # the same, wall time (the fates' clock)
         self.leftovers: list[int] = []
         self.stopped_since: dict[int, float] = {}  # sentinels seen stopped (SIGSTOP), since when
         self.killed_stopped: list[int] = []
-        self.warm_stopped_since: float | None = None  # since when this host's warm process is stopped
-        self.warm_killed = False
+        self.warm_stopped_since: dict[int, float] = {}  # warm processes seen stopped, since when
+        self.warm_killed: set[int] = set()
         self.swept = 0.0
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -142,11 +142,10 @@ class Attempt:
                 self._end_a_stopped_warm_process(now)
             time.sleep(0.1)
         # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans, and
-        # the ranks the warm process forked (outside mpiexec's session; a stopped one cannot act on its
+        # the ranks the warm processes forked (outside mpiexec's session; a stopped one cannot act on its
         # sentinel's death). Sentinels may still be writing down how their rank ended: a moment for them.
-        def left() -> list[int]:  # one pass over /proc: mpiexec's session, the warm process's children
-            return _processes(lambda pid, fields: _in_session(proc.pid, pid, fields) or
-                              (self.warm is not None and int(fields[1]) == self.warm))
+        def left() -> list[int]:  # one pass over /proc: mpiexec's session, the warm processes' children
+            return _processes(lambda pid, fields: _in_session(proc.pid, pid, fields) or int(fields[1]) in self.warm)
         settle = time.monotonic() + LEFTOVER_SECONDS
         while left() and time.monotonic() < settle and proc.poll() is not None:
             time.sleep(0.05)
@@ -178,21 +177,22 @@ class Attempt:
                     os.kill(pid, signal.SIGKILL)
 
     def _end_a_stopped_warm_process(self, now: float) -> None:
-        """Kill this host's warm process once it has been stopped for as long as a sentinel waits for
-        it (``WARM_ANSWER_SECONDS``): the ranks started from then on start cold, and a request it holds
-        unread (a sentinel's streams, passed with it) no longer keeps mpiexec from ending."""
-        if self.warm is None or self.warm_killed:
+        """Kill a warm process once it has been stopped for as long as a sentinel waits for it
+        (``WARM_ANSWER_SECONDS``): the ranks started on its host from then on start cold, and a
+        request it holds unread (a sentinel's streams, passed with it) no longer keeps mpiexec from
+        ending."""
+        watched = set(self.warm) - self.warm_killed
+        if not watched:
             return
-        if not _processes(lambda pid, fields: pid == self.warm and fields[0] in "Tt"):
-            self.warm_stopped_since = None
-            return
-        since = self.warm_stopped_since = self.warm_stopped_since or now
-        if now - since >= WARM_ANSWER_SECONDS:
-            print(f"[launch] the warm process pid {self.warm} has been stopped for {now - since:.0f} s: killed; "
-                  "ranks started on this host from now on start cold", file=sys.stderr, flush=True)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.warm, signal.SIGKILL)
-            self.warm_killed = True
+        stopped = set(_processes(lambda pid, fields: pid in watched and fields[0] in "Tt"))
+        self.warm_stopped_since = {pid: self.warm_stopped_since.get(pid, now) for pid in stopped}
+        for pid, since in self.warm_stopped_since.items():
+            if now - since >= WARM_ANSWER_SECONDS:
+                print(f"[launch] the warm process pid {pid} has been stopped for {now - since:.0f} s: killed; "
+                      "ranks started on its host from now on start cold", file=sys.stderr, flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self.warm_killed.add(pid)
 
     @property
     def lost_nodes(self) -> set[str]:

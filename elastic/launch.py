@@ -31,10 +31,12 @@ surviving nodes' memory and resume.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -92,17 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     if threads is not None and not plan.quiet:
         print(f"[launch] OMP_NUM_THREADS={threads} for each process ({os.cpu_count()} cores here, "
               f"{plan.nprocs + plan.spares} processes; set OMP_NUM_THREADS to choose)", flush=True)
-    warm = _start_warm(plan, done.notes)
-    if warm is None:
+    warm = _start_warm(plan, agent, done.notes)
+    if not warm:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
-        _launch_until_done(plan, agent, memory, done, got, warm.pid if warm is not None else None)
+        _launch_until_done(plan, agent, memory, done, got, {host: proc.pid for host, proc in warm.items()})
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if warm is not None:
-            warm.kill()
-            warm.wait()
+        for proc in warm.values():
+            proc.kill()
+            proc.wait()
+        if warm and not plan.simulate_nodes:  # a node's socket goes with the node's memory, below
             Path(plan.config.warm_socket or "").unlink(missing_ok=True)
         if plan.simulate_nodes:
             shutil.rmtree(memory, ignore_errors=True)
@@ -111,33 +114,47 @@ def main(argv: list[str] | None = None) -> int:
     return _verdict(plan, done, got)
 
 
-def _start_warm(plan: LaunchPlan, notes: list[str]) -> subprocess.Popen[str] | None:
-    """This machine's warm process (``elastic.comm._warm``): it imports what the ranks import, then
-    forks each of them, a spawned replacement or a relaunched rank as well, in milliseconds instead of
-    an interpreter's start. Waits until it serves (it takes what one cold start takes); None, and a
-    note, when it cannot (the ranks then start cold, and say so once)."""
+def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[str, subprocess.Popen[str]]:
+    """The warm processes (``elastic.comm._warm``): each imports what the ranks import, then forks
+    each rank of its host, a spawned replacement or a relaunched rank as well, in milliseconds
+    instead of an interpreter's start. One on this machine; on simulated nodes one on each node, the
+    spare nodes too, started through the node agent as mpiexec starts the node's daemon (in the
+    node's namespaces, its socket in the node's memory, so that it dies with the node), so that a
+    relaunch forks warm on whichever nodes it uses. Waits until they serve (what one cold start
+    takes); a host whose warm process cannot serve gets a note, and its ranks start cold. By host."""
     if not plan.config.warm_socket:
-        return None
+        return {}
     programs = [plan.command[1]] if len(plan.command) > 1 and plan.command[1].endswith(".py") else []
     if any(_asks_cold(program) for program in programs):
         print(f"[launch] {programs[0]} asks for cold starts ({COLD_PRAGMA}): every rank starts a new interpreter",
               flush=True)
         notes.append(f"cold starts, as the program asks ({COLD_PRAGMA})")
-        return None
-    proc = subprocess.Popen([sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket,
-                             *programs], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **job_env(plan.config, plan.training, omp_threads(plan))})  # no ^C
-    assert proc.stdout is not None
-    # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
-    ready = proc.stdout.readline() if select.select([proc.stdout], [], [], WARM_START_SECONDS)[0] else \
-        f"not ready after {WARM_START_SECONDS:g} s"
-    if not ready.startswith("[warm] ready"):
+        return {}
+    serve = [sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket, *programs]
+    if plan.simulate_nodes and agent is not None:
+        commands = {host: [str(agent), host, "exec " + shlex.join(serve)]
+                    for host in [h for h, _ in plan.hosts] + list(plan.spare_hosts)}
+    else:
+        commands = {"this machine": serve}
+    env = {**os.environ, **job_env(plan.config, plan.training, omp_threads(plan))}
+    procs = {host: subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
+             for host, command in commands.items()}  # their own sessions: no ^C
+    deadline = time.monotonic() + WARM_START_SECONDS
+    serving = {}
+    for host, proc in procs.items():
+        assert proc.stdout is not None
+        # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
+        ready = proc.stdout.readline() if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[
+            0] else f"not ready after {WARM_START_SECONDS:g} s"
+        if ready.startswith("[warm] ready"):
+            serving[host] = proc
+            continue
         proc.kill()
         proc.wait()
-        notes.append(f"no warm process ({ready.strip() or 'it ended'}): every rank started cold")
+        where = "every rank" if len(procs) == 1 else f"the ranks on {host}"
+        notes.append(f"no warm process on {host} ({ready.strip() or 'it ended'}): {where} started cold")
         print(f"[launch] {notes[-1]}", flush=True)
-        return None
-    return proc
+    return serving
 
 
 COLD_PRAGMA = "# elastic: cold-start"  # a program that must not be forked from a warm process says so
@@ -153,11 +170,12 @@ def _asks_cold(program: str) -> bool:
 
 
 def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done: _Launches, got: list[int],
-                       warm: int | None = None) -> None:
+                       warm: dict[str, int] | None = None) -> None:
     """Run mpiexec, and again from the nodes' memory while the job ends unfinished with a node lost
     and relaunches are left."""
     deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
     placement, spare_hosts = plan.placement, plan.spare_hosts
+    warm = dict(warm or {})  # host -> its warm process's pid
     while True:
         before = run_pids(plan.run_dir)
         hosts = placement.counts() if plan.hosts else None
@@ -166,7 +184,8 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         if not plan.quiet:
             print(f"[launch] {' '.join(cmd)}", flush=True)
         done.times.append({"launched": time.time()})
-        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training, omp_threads(plan)), warm)
+        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training, omp_threads(plan)),
+                                         tuple(warm.values()))
         if got:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)
@@ -183,8 +202,11 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         lost = attempt.lost_nodes | {o["host"] for o in this.outcomes if o["status"] == "injected-node"}
         lost_before, done.lost = set(done.lost), done.lost | lost
         if plan.simulate_nodes:
-            for node in lost:  # its memory goes with it
+            for node in lost:  # its memory goes with it, and its warm process (in namespaces of its own)
                 shutil.rmtree(memory / node, ignore_errors=True)
+                if node in warm:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(warm.pop(node), signal.SIGKILL)
         if this.finished or attempt.stopping or this.stopped_by or not plan.relaunches:
             return
         if done.relaunches >= plan.relaunches:

@@ -206,9 +206,14 @@ def test_two_nodes_lost_one_after_the_other_the_second_a_spare_node_fast_steps(t
     assert "relaunch 1 of 2 on node0, node2" in job.output and "relaunch 2 of 2 on node0, node3" in job.output
     rows = [r for r in timeline(job.events) if r["mode"] == "relaunch"]  # the report shows each as a recovery
     assert len(rows) == 2 and all(r["failed"] == [2, 3] and r["down"] > 0 and r["restore"] > 0 for r in rows)
-    # Every relaunched rank, on a surviving node and on the spare ones, forked from the warm process;
+    # Every rank, on a surviving node and on the spare ones, forked from its own node's warm process
+    # (one per node, spare nodes too, started through the node agent): none from another host's;
     # the report names each relaunch's phases and the slowest.
     assert [e["warm"] for e in job.of("started")] == [True] * 12
+    by_launch = {n: {e["logical"]: e["warm_host"] for e in job.of("started") if e.get("relaunch", 0) == n}
+                 for n in range(3)}
+    assert by_launch == {0: {0: "node0", 1: "node0", 2: "node1", 3: "node1"},
+                         1: {0: "node0", 1: "node0", 2: "node2", 3: "node2"}, 2: hosts}, by_launch
     phases = [start_up(job.events, r["gen"], r["t_failure"], job.run_dir) for r in rows]
     assert all(list(p) == ["teardown", "runtime", "process", "mpi_init", "join", "attach", "fetch", "resume"]
                and all(v >= 0 for v in p.values()) for p in phases), phases
