@@ -6,9 +6,11 @@
 
 A data-parallel loop on numpy (no torch: the state's bytes are the whole story)
 under mpiexec --with-ft ulfm, ``--ranks`` ranks and one spare. Each step: a
-compute step of ``--step-ms`` (256x256 float32 matmuls, the count calibrated
-once on rank 0 and used by every rank, so a slower step is a slower rank, not a
-shorter loop), a 1 MB gradient all-reduce, and an update that changes the state.
+compute step of ``--step-ms`` (256x256 float32 matmuls, the count fixed once per
+run by a calibration job timing every rank at once, the slowest rank's rate, and
+used by every mode and rank: the same work per step, so a slower step is a slower
+rank or a costlier mode, never a shorter loop), a 1 MB gradient all-reduce, and
+an update that changes the state.
 The state per rank is ``--sizes`` MB, laid out (``layout``):
 
 * ``replicated``: all of it a model every rank holds alike (data parallel), plus
@@ -28,13 +30,15 @@ held by a rank of each, twice the moments a rank; the point replicates the rando
 the update of the shard follows it, and the next step begins by gathering the updated parts
 from the rank's instance, point to point).
 Per row, from the median of ``--repeat`` failure-free runs alternated over
-the modes (a slow spell of this shared machine lands on every mode alike):
-steps/s (the median step of the last two thirds), ``blocked_fraction`` (the median time the loop spends
-in the State's calls per step, over the median step, on the rank that gets
-there last: the others' time there includes waiting for it), memory over the state
-(RSS above what the process held before its state, steady after the run and at
-its high-water mark; the state itself counts 1), and in a second run with a
-SIGKILL of logical rank 1 at step ``steps // 2``, a spare taking over: kill ->
+the modes (a slow spell of this shared machine lands on every mode alike), over
+the last whole tens of steps past a warm-up of 4 (each mode's commits land in
+them in proportion): steps/s (from the mean step, commits included),
+``blocked_fraction`` (the mean time the loop spends in the State's calls per
+step over the mean step, on the rank that gets there last: the others' time
+there includes waiting for it) and ``blocked_max`` (its largest single step's),
+memory over the state (RSS above what the process held before its state, steady
+after the run and at its high-water mark; the state itself counts 1), and in a
+second run with a SIGKILL of logical rank 1 at step ``steps // 2``, a spare taking over: kill ->
 next step (``down_s``), the steps done again (``lost``) and ``floor_s``, the part of
 ``down_s`` any spare substitution pays in that run (down less the state's own
 recovery: the same job's spare path). ``bytes_sent_per_step``: what a rank hands
@@ -68,6 +72,7 @@ MODES = ("none", "commit1", "commit10", "step", "twin")
 REPLICAS = 2  # the twin mode's instances
 LAYOUTS = ("replicated", "sharded")
 MATMUL = 256
+WARMUP = 4  # steps not counted: the first commits touch fresh memory
 
 
 # ---------------------------------------------------------------------------- the worker (one rank)
@@ -77,14 +82,22 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
 
 
-def _calibrate(world: Any, a: np.ndarray, step_ms: float) -> int:
-    """Matrix products for a step of ``step_ms``, timed on every rank at once (the contention of the
-    steps), the slowest rank's count (collective)."""
+def _calibrate(seconds: float = 1.0) -> int:
+    """Matrix products per second, timed on every rank at once (the contention of the steps): the
+    slowest rank's rate, as an event (the driver's calibration job)."""
+    import elastic
+
+    world = elastic.init()
+    a = np.random.default_rng(0).standard_normal((MATMUL, MATMUL), dtype=np.float32)
+    world.allgather(None)  # every rank starts timing together
     t, done = time.perf_counter(), 0
-    while time.perf_counter() - t < 0.5:
+    while time.perf_counter() - t < seconds:
         a @ a
         done += 1
-    return max(1, round(min(world.allgather(done)) * step_ms / 1e3 / 0.5))
+    rate = min(world.allgather(done / (time.perf_counter() - t)))
+    world.events.emit("calibrated", matmuls_per_s=rate)
+    world.finish()
+    return 0
 
 
 def _values(me: int, shard: int, total: int, layout: str, replicas: int) -> dict[str, np.ndarray]:
@@ -113,8 +126,7 @@ class _Worker:
         self.mesh = Mesh(self.world, REPLICAS, n // REPLICAS) if self.twin else None
         self.shard, shards = (self.mesh.stage, self.mesh.pp) if self.mesh is not None else (me, n)
         self.a = np.random.default_rng(0).standard_normal((MATMUL, MATMUL), dtype=np.float32)
-        # A replacement joins the survivors' recovery, not this: it gets the count with the shared values.
-        matmuls = 0 if self.world.role is elastic.Role.RECOVERED else _calibrate(self.world, self.a, args.step_ms)
+        matmuls = args.matmuls  # fixed once per run by the driver: every mode does the same work per step
         self.base_rss = _rss()[0]
         self.values = _values(me, self.shard, args.mb << 20, args.layout, REPLICAS if self.twin else 1)
         self.grad = np.zeros(1 << 18, np.float32)  # 1 MB: the model's gradient, scaled down
@@ -152,13 +164,17 @@ class _Worker:
         else:
             elastic.run(self.loop)(self.world, self.state)
         rss, peak = _rss()
-        keep = len(self.seconds) // 3
+        # The last whole tens of steps, past a warm-up of WARMUP at least: every mode's commits land
+        # in them in proportion (commit10's once in each ten), and the mean counts each one.
+        counted = (len(self.seconds) - WARMUP) // 10 * 10
+        seconds, blocked = self.seconds[-counted:], self.blocked[-counted:]
         state_bytes = self.args.mb << 20  # the layout's state without twins: their second copy of a shard shows
         self.world.events.emit(
-            "result", step_s=statistics.median(self.seconds[keep:]), blocked_s=statistics.median(self.blocked[keep:]),
+            "result", step_s=statistics.fmean(seconds), blocked_s=statistics.fmean(blocked),
+            blocked_max=max(b / t for b, t in zip(blocked, seconds)), counted=counted,
             memory=(rss - self.base_rss) / state_bytes, peak=(peak - self.base_rss) / state_bytes,
             state_bytes=state_bytes, sent_per_step=self.sent, steps=len(self.seconds),
-            optimizer_s=statistics.median(self.optimizer[keep:]) if self.optimizer else None)
+            optimizer_s=statistics.median(self.optimizer[-counted:]) if self.optimizer else None)
         return 0
 
     def loop(self, world: Any, state: Any) -> None:
@@ -239,12 +255,23 @@ def launch(run_dir: Path, ranks: int, inject: str, worker_args: list[str]) -> li
     return read_events(run_dir)
 
 
+def calibrate(args: argparse.Namespace, tmp: Path) -> float:
+    """Matrix products per second on every rank at once, the slowest rank's: one job, once per run."""
+    events = launch(tmp / "calibrate", args.ranks, "", ["--calibrate"])
+    return float(next(e["matmuls_per_s"] for e in events if e["event"] == "calibrated"))
+
+
+def _worker_args(layout: str, mb: int, step_ms: float, mode: str, args: argparse.Namespace) -> list[str]:
+    matmuls = max(1, round(args.matmuls_per_s * step_ms / 1e3))  # the same work per step in every mode
+    return ["--layout", layout, "--mb", str(mb), "--step-ms", str(step_ms), "--mode", mode,
+            "--steps", str(args.steps), "--matmuls", str(matmuls)]
+
+
 def clean_run(layout: str, mb: int, step_ms: float, mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
     """One failure-free run: steps/s, blocking, memory."""
-    worker_args = ["--layout", layout, "--mb", str(mb), "--step-ms", str(step_ms), "--mode", mode,
-                   "--steps", str(args.steps)]
-    events = launch(run_dir, args.ranks, "", worker_args)
+    events = launch(run_dir, args.ranks, "", _worker_args(layout, mb, step_ms, mode, args))
     results = [e for e in events if e["event"] == "result"]
+    last = min(results, key=lambda e: e["blocked_s"] / e["step_s"])  # the rank that reaches the State's calls last
     replicated = {}  # what each rank's State sent its peers, over the run
     for e in events:
         if e["event"] == "committed":
@@ -252,7 +279,7 @@ def clean_run(layout: str, mb: int, step_ms: float, mode: str, args: argparse.Na
     return {"steps_per_s": 1 / max(e["step_s"] for e in results),  # the slowest rank sets the pace
             # The rank that reaches the State's calls last waits for no peer there: its time in them is
             # what the protocol itself blocks a step for (the others' includes waiting for the last).
-            "blocked_fraction": min(e["blocked_s"] / e["step_s"] for e in results),
+            "blocked_fraction": last["blocked_s"] / last["step_s"], "blocked_max": last["blocked_max"],
             "memory_over_state": max(e["memory"] for e in results),
             "peak_over_state": max(e["peak"] for e in results),
             "replicas": REPLICAS if mode == "twin" else 1,
@@ -277,15 +304,25 @@ def group_rows(layout: str, mb: int, step_ms: float, modes: list[str], args: arg
         row = {"layout": layout, "mb": mb, "step_ms": step_ms, "mode": mode, "ranks": args.ranks, **median,
                "down_s": None, "lost": None, "floor_s": None}
         if mode != "none":
-            worker_args = ["--layout", layout, "--mb", str(mb), "--step-ms", str(step_ms), "--mode", mode,
-                           "--steps", str(args.steps)]
             events = launch(tmp / f"{layout}-{mb}-{step_ms}-{mode}-kill", args.ranks, f"1@{args.steps // 2}",
-                            worker_args)
+                            _worker_args(layout, mb, step_ms, mode, args))
             rebuild = timeline(events)[0]
             row.update(down_s=rebuild["down"] / 1e3, lost=rebuild["redone"],
                        floor_s=(rebuild["down"] - (rebuild["restore"] or 0.0)) / 1e3)
         rows.append(row)
     return rows
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The modes and layouts asked for; a usage error for what cannot run."""
+    modes, layouts = args.modes.split(","), args.layouts.split(",")
+    if modes[0] != "none" or not set(modes) <= set(MODES) or not set(layouts) <= set(LAYOUTS):
+        parser.error(f"--modes: of {','.join(MODES)}, none first; --layouts: of {','.join(LAYOUTS)}")
+    if args.steps < WARMUP + 10:
+        parser.error(f"--steps {args.steps}: at least {WARMUP + 10} (a warm-up of {WARMUP}, then whole tens counted)")
+    if "twin" in modes and args.ranks % REPLICAS:
+        parser.error(f"--modes twin: {REPLICAS} instances of --ranks / {REPLICAS}: give an even --ranks")
+    return modes, layouts
 
 
 def main() -> int:
@@ -294,6 +331,8 @@ def main() -> int:
     parser.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
     parser.add_argument("--mb", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--matmuls", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", default=[128], help="MB of state per rank")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[200.0], help="compute per step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -303,20 +342,20 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per row, alternated (median)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
+    if args.calibrate:
+        return _calibrate()
     if args.worker:
         args.step_ms = args.step_ms[0]
         return _Worker(args).run()
-    modes, layouts = args.modes.split(","), args.layouts.split(",")
-    if modes[0] != "none" or not set(modes) <= set(MODES) or not set(layouts) <= set(LAYOUTS):
-        parser.error(f"--modes: of {','.join(MODES)}, none first; --layouts: of {','.join(LAYOUTS)}")
-    if "twin" in modes and args.ranks % REPLICAS:
-        parser.error(f"--modes twin: {REPLICAS} instances of --ranks / {REPLICAS}: give an even --ranks")
+    modes, layouts = _checked(parser, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        args.matmuls_per_s = calibrate(args, Path(tmp))
         for layout in layouts:
             for mb in args.sizes:
                 for step_ms in args.step_ms:
                     for r in group_rows(layout, mb, step_ms, modes, args, Path(tmp)):
+                        r["matmuls_per_s"] = args.matmuls_per_s
                         rows.append(r)
                         if args.json:
                             print(json.dumps(r), flush=True)
@@ -325,13 +364,14 @@ def main() -> int:
     print(f"{args.ranks} ranks + 1 spare, {args.steps} steps, the median of {args.repeat} alternated runs; "
           "memory: RSS above the process before its state, over the state (steady / peak); kill of logical "
           f"rank 1 at step {args.steps // 2}, the spare takes over")
-    print(" | ".join(("layout", "MB", "step ms", "mode", "steps/s", "vs none", "blocked", "memory", "peak",
-                      "sent MB/step", "opt ms", "down s", "floor s", "lost")))
+    print(" | ".join(("layout", "MB", "step ms", "mode", "steps/s", "vs none", "blocked", "blocked max", "memory",
+                      "peak", "sent MB/step", "opt ms", "down s", "floor s", "lost")))
     base = {(r["layout"], r["mb"], r["step_ms"]): r["steps_per_s"] for r in rows if r["mode"] == "none"}
     for r in rows:
         ratio = r["steps_per_s"] / base[(r["layout"], r["mb"], r["step_ms"])] if base else float("nan")
         print(" | ".join([r["layout"], str(r["mb"]), f"{r['step_ms']:.0f}", r["mode"], f"{r['steps_per_s']:.2f}",
-                          f"{ratio:.3f}", f"{100 * r['blocked_fraction']:.2f}%", f"{r['memory_over_state']:.2f}",
+                          f"{ratio:.3f}", f"{100 * r['blocked_fraction']:.2f}%", f"{100 * r['blocked_max']:.1f}%",
+                          f"{r['memory_over_state']:.2f}",
                           f"{r['peak_over_state']:.2f}", f"{r['bytes_sent_per_step'] / 2**20:.2f}",
                           "-" if r["optimizer_ms"] is None else f"{r['optimizer_ms']:.2f}",
                           "-" if r["down_s"] is None else f"{r['down_s']:.3f}",
