@@ -1,6 +1,8 @@
 """Effective training time ratio at cluster scale: in-memory recovery vs checkpoint-restart.
 
     python scripts/simulate_ettr.py [--measured elastic-run/bench/bench_recovery.json] [--plot ettr.png]
+    python scripts/bench_step.py --json > elastic-run/bench/bench_step.json
+    python scripts/simulate_ettr.py --per-step elastic-run/bench/bench_step.json
 
 A first-order model (Young 1974, Daly 2006), checked by a discrete-event
 simulation of a 30-day job with exponential failures. For each job size and
@@ -48,16 +50,21 @@ def optimal_interval(method: Method, mttf: float) -> float:
 
 def simulate(interval: float, method: Method, mttf: float, days: float = 30, seed: int = 0) -> float:
     """Discrete events: train `interval`, commit; failures arrive as a Poisson process and cost
-    the recovery plus the work since the last commit (a failure during recovery restarts it)."""
+    the recovery plus the work since the last commit (a failure during recovery restarts it).
+    The whole segments between two failures are counted at once: O(failures), so a per-step point
+    (a segment of one step, a fraction of a second) simulates as fast as an hourly checkpoint."""
     rng = random.Random(seed)
     horizon, now, useful = days * 24 * HOUR, 0.0, 0.0
+    segment = interval + method.cost
     next_failure = rng.expovariate(1 / mttf)
     while now < horizon:
-        end = now + interval + method.cost
-        if next_failure >= end:
-            now, useful = end, useful + interval
-            continue
-        now = next_failure  # the segment is lost; recover (again if a failure hits the recovery)
+        to_horizon = math.ceil((horizon - now) / segment)
+        before_failure = math.floor((next_failure - now) / segment)
+        if before_failure >= to_horizon:
+            now, useful = now + to_horizon * segment, useful + to_horizon * interval
+            break
+        useful += before_failure * interval
+        now = next_failure  # the segment in flight is lost; recover (again if a failure hits the recovery)
         while True:
             next_failure = now + rng.expovariate(1 / mttf)
             if next_failure >= now + method.recover:
@@ -65,6 +72,35 @@ def simulate(interval: float, method: Method, mttf: float, days: float = 30, see
                 break
             now = next_failure
     return useful / now
+
+
+def per_step_methods(path: Path, layout: str, state_gb: float, unique: float) -> list[tuple[Method, float, str]]:
+    """(method, its fixed interval: one step, where the figures come from) for each per-step mode of
+    ``layout`` in ``bench_step.py --json`` output (one row per line). A step point costs what it
+    blocked a measured step for, grown with the rank-unique bytes it replicates (``unique`` of a
+    state of ``state_gb`` at scale, against the bench's own: a third of it sharded, the random
+    stream alone replicated); twins replicate the random stream only, at any size. A failure costs
+    the run's kill -> next step, its restore part grown with the state the replacement receives."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    rows = [r for r in rows if r["layout"] == layout]
+    if not rows:
+        raise SystemExit(f"{path}: no {layout} rows; run scripts/bench_step.py --layouts {layout} --json > {path}")
+    base = next(r for r in rows if r["mode"] == "none")
+    step_s = 1 / base["steps_per_s"]
+    out = []
+    for r in rows:
+        if r["mode"] not in ("step", "twin"):
+            continue
+        bench_gb = r["mb"] / 1024
+        bench_unique = bench_gb / 3 if layout == "sharded" else 0.0
+        grow = max(1.0, state_gb * unique / bench_unique) if r["mode"] == "step" and bench_unique else 1.0
+        cost = r["blocked_fraction"] / r["steps_per_s"] * grow  # the point's own time in a step, not noise
+        restore_gbps = bench_gb / max(r["down_s"] - r["floor_s"], 1e-6)
+        recover = r["floor_s"] + state_gb / restore_gbps + step_s * (r["lost"] or 0)
+        grown = f", x{grow:.1f} for {unique:.2f} of {state_gb:g} GB rank-unique" if grow != 1.0 else ""
+        out.append((Method(f"per-step, {r['mode']}", cost, recover), step_s,
+                    f"{path} ({r['ranks']} ranks x {r['mb']} MB {layout}, {1e3 * step_s:.0f} ms steps{grown})"))
+    return out
 
 
 def measured_constants(path: Path | None) -> dict[str, float]:
@@ -84,13 +120,20 @@ def measured_constants(path: Path | None) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384, 131072])
     parser.add_argument("--state-gb", type=float, default=1.0, help="checkpointed state per rank, GB")
     parser.add_argument("--storage-gbps", type=float, nargs="+", default=[100.0, 1000.0],
                         help="parallel file system bandwidth shared by the job, GB/s")
     parser.add_argument("--restart-s", type=float, default=600.0,
                         help="requeue + relaunch + initialisation of the whole job at scale, seconds")
     parser.add_argument("--measured", type=Path, default=Path("elastic-run/bench/bench_recovery.json"))
+    parser.add_argument("--per-step", type=Path, nargs="?", const=Path("elastic-run/bench/bench_step.json"),
+                        help="add the per-step points measured by scripts/bench_step.py --json > FILE")
+    parser.add_argument("--layout", choices=("sharded", "replicated"), default="sharded",
+                        help="the bench_step layout the per-step figures come from")
+    parser.add_argument("--unique", type=float, default=1 / 3,
+                        help="the share of the state that is rank-unique (a ZeRO-1 shard: a third), the rest "
+                             "replicated: what a per-step point replicates every step")
     parser.add_argument("--plot", type=Path, help="PNG of ETTR against job size (needs matplotlib)")
     a = parser.parse_args()
     k = measured_constants(a.measured)
@@ -107,6 +150,10 @@ def main() -> int:
     print("- lost work: half an interval on average; intervals are Daly's optimum unless stated; "
           "'sim' = a 30-day discrete-event simulation at that interval (seed 0), which also counts failures "
           "during recovery: where recovery is not small against the MTTF the formula is optimistic, trust 'sim'.")
+    fixed = per_step_methods(a.per_step, a.layout, a.state_gb, a.unique) if a.per_step else []
+    for m, _, source in fixed:
+        print(f"- {m.name} (measured, {source}): every step a recovery point, {1e3 * m.cost:.1f} ms a step, "
+              f"recovery {m.recover:.3f} s, half a step lost; its interval is the step, not a choice")
     methods = lambda n: [  # noqa: E731
         Method("in-memory, spare", a.state_gb / k["commit_gbps"], k["rebuild_s"] + a.state_gb / k["restore_gbps"]),
         Method("in-memory, spawn", a.state_gb / k["commit_gbps"], k["spawn_s"] + a.state_gb / k["restore_gbps"]),
@@ -120,19 +167,21 @@ def main() -> int:
         print(f"{head[0]:>6} {head[1]:>10}  {head[2]:<22}" + "".join(f"{h:>10}" for h in head[3:]))
         for n in a.ranks:
             mttf = rank_mtbf * HOUR / n
-            for m in methods(n):
-                tau = optimal_interval(m, mttf)
+            chosen = [(m, optimal_interval(m, mttf), True) for m in methods(n)] + [(m, t, False) for m, t, _ in fixed]
+            for m, tau, free in chosen:  # free: the interval is a choice (else it is the step)
                 best, sim = ettr(tau, m, mttf), simulate(tau, m, mttf)
                 rows.append({"source": source, "ranks": n, "method": m.name, "ettr": best})
-                print(f"{n:>6} {mttf / HOUR:>10.2f}  {m.name:<22}{m.cost:>10.1f}{m.recover:>10.1f}"
-                      f"{_duration(tau):>10}{best:>10.3f}{sim:>10.3f}{ettr(600, m, mttf):>10.3f}"
-                      f"{ettr(3600, m, mttf):>10.3f}")
+                at = f"{ettr(600, m, mttf):>10.3f}{ettr(3600, m, mttf):>10.3f}" if free else f"{'-':>10}{'-':>10}"
+                print(f"{n:>6} {mttf / HOUR:>10.2f}  {m.name:<22}{m.cost:>10.3g}{m.recover:>10.3g}"
+                      f"{_duration(tau):>10}{best:>10.3f}{sim:>10.3f}{at}")
     if a.plot:
         _plot(rows, a.ranks, a.plot)
     return 0
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2f} s"
     return f"{seconds / 60:.1f} min" if seconds < 2 * HOUR else f"{seconds / HOUR:.1f} h"
 
 
