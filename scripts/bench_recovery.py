@@ -1,36 +1,44 @@
-"""In-memory recovery against checkpoint-restart, side by side in one run.
+"""In-memory recovery against its physical floor and against checkpoint-restart, side by side in one run.
 
-    python scripts/bench_recovery.py --ranks 4 8 --sizes 10 128 --reps 2
+    python scripts/bench_recovery.py --ranks 4 --sizes 10 128 [--reps 8] [--out DIR]
 
 For each (ranks, MB of state per rank) the same training job (a small MLP with
 Adam; a per-rank "ballast" array brings the committed state up to the size
-asked) runs under mpiexec --with-ft ulfm and loses logical rank 1 after step
-``interval + 7`` of each generation, ``reps`` times in a row:
+asked) runs under mpiexec --with-ft ulfm and loses a rank seven steps after a
+commit (every ``interval`` steps), ``reps`` times per mode (8: median, mean and
+max), the modes' jobs interleaved over the run (a slow spell of this shared
+machine lands on every mode alike):
 
-  (a) shrink, (b) spare substitute, (c) spawn substitute: the elastic loop
-      recovers in-process from the replicated store (commit every ``interval``);
-      the spawned process forked from the launcher's warm process (the default), and (c')
-      the same started cold (``--cold``: a new interpreter importing everything);
+  (a) shrink (a job loses at most n - 2 ranks, so it takes several jobs),
+      (b) spare substitute, (c) spawn substitute: the elastic loop recovers
+      in-process from the replicated store; the spawned process forked from the
+      launcher's warm process (the default), and (c') the same started cold
+      (``--cold``: a new interpreter importing everything);
   (d) checkpoint-restart, what users do today: every rank writes its state
       with torch.save (+fsync) every ``interval`` steps; the kill ends the job;
       it is relaunched with mpiexec and every rank torch.loads the last
-      checkpoint. Each relaunch kills again, so one job per repetition; every launch starts
-      cold (``--cold``), as a new job does today.
+      checkpoint (``--restart-reps`` kills, each a cold relaunch);
+  the floor: a raw mpi4py job of the same ranks (no elastic, no sentinel) in which
+      rank 1 SIGKILLs itself and the others revoke and shrink, plus the lost
+      rank's bytes at the point-to-point rate measured between two of its ranks
+      in the same job: what any in-memory recovery of that state must pay.
 
 Recovery time = the kill -> the first completed step past the one the job was
 on when killed, so the steps lost since the last commit / checkpoint count in
-every column. Phases: for (a-c) rebuild (kill -> world rebuilt and every rank
-in the store's recovery), restore, redo (lost steps again); for (d) teardown
-(kill -> mpiexec gone), relaunch (mpiexec -> every rank initialised), load,
-redo. Medians over the repetitions; the ratio columns are (d) over each of (a-c).
+every column (not in the floor). Phases: for (a-c) detect (kill -> the first
+survivor sees it), rebuilt (kill -> the world rebuilt), restore, redo (lost
+steps again); for (d) teardown (kill -> mpiexec gone), relaunch (mpiexec ->
+every rank initialised), load, redo. ``--out DIR`` writes ``bench_recovery.json``:
+``rows`` (one per mode and size: ``mode``, ``mb``, ``kills``, ``median_s``,
+``mean_s``, ``max_s``, ``floor_s``, ``detect_ms``, ``detect_max_ms``) and every
+kill's phases (``results``, for scripts/simulate_ettr.py).
 
 Steady state, in the same run: step time with a commit every step and every
 ``interval`` steps over no fault tolerance at all (commit only at start and
-end), and the commit bandwidth next to raw MPI point-to-point and memcpy
-bandwidth of the same bytes.
-
-Writes ``bench_recovery.json`` (for scripts/simulate_ettr.py) and, with
-matplotlib, ``bench_recovery.png``.
+end), and the commit bandwidth next to raw MPI point-to-point (a ring Sendrecv
+of the same bytes between the same ranks) and memcpy, with the commit's phases
+(prepare, exchange, checksum, vote, pack: the roll-back copy). With matplotlib,
+``bench_recovery.png`` too.
 
 Node loss (``--nodes N``, root: simulated nodes, see ``elastic.launch --simulate-nodes``):
 node 1 is killed (its daemon, its ranks, its memory) ``interval + 7`` steps in;
@@ -40,7 +48,12 @@ memory, forked from the launcher's warm process, and (e') the same started
 cold; (f) checkpoint-restart of the same state from disk, relaunched by hand
 (cold) on as many nodes. Phases of (e): detect (kill -> the runtime gone), relaunch
 (-> every rank started), attach (-> the nodes' versions agreed), fetch,
-resume (-> the loop resumed), redo.
+resume (-> the loop resumed), redo. Beside them, the fetch's rate (the lost
+node's bytes over the store's fetch) and MPI point to point between simulated
+nodes 0 and N-1 in the same run (TCP); ``bench_node_loss.json`` gives per tier-2
+run ``total``, ``fetch_gbps``, ``tcp_gbps`` and ``warm_hosts`` ([the host a
+relaunched rank on a new host runs on, the host of the warm process that forked
+it, or null when it started cold]).
 
     python scripts/bench_recovery.py --nodes 3 --ranks 6 --sizes 10 128
 """
@@ -52,10 +65,11 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -79,9 +93,12 @@ def worker(args: argparse.Namespace) -> int:
     x = torch.randn(1024, 32, generator=torch.Generator().manual_seed(1))
     y = x.sum(dim=1, keepdim=True).tanh()
     model_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
-    ballast = np.zeros(max((args.state_mb << 20) - model_bytes, 0) // 8)
+    # Touched before init(), as a program builds its model before it: a spare parks with its memory
+    # in place, and takes its values from the store (only a rank that starts the job sets its own).
+    ballast = np.ones(max((args.state_mb << 20) - model_bytes, 0) // 8)
     world = elastic.init()
-    ballast[:] = int(world.logical_rank)
+    if world.role is not elastic.Role.RECOVERED:
+        ballast[:] = int(world.logical_rank)
     state = elastic.TorchState(world, model=model, optimizer=optimizer, local=("ballast",), step=0,
                                ballast=ballast)
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -133,6 +150,91 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def floor_worker(a: argparse.Namespace) -> int:
+    """The floor of one kill, raw mpi4py under ``mpiexec --with-ft ulfm`` (no elastic, no sentinel):
+    the lost rank's bytes from rank 0 to rank 1 at the p2p rate (median of 3, touched buffers),
+    then rank 1 SIGKILLs itself inside a barrier and the others revoke and shrink. Each rank prints
+    one JSON line; the exit skips MPI_Finalize (it hangs after a failure, ompi #11404)."""
+    import signal
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    buf = np.ones((a.state_mb << 20) // 8)
+    out: dict = {"rank": comm.rank}
+    times = []
+    for _ in range(3):
+        comm.Barrier()
+        t = time.perf_counter()
+        if comm.rank == 0:
+            comm.Send(buf, dest=1)
+        elif comm.rank == 1:
+            comm.Recv(buf, source=0)
+        times.append(time.perf_counter() - t)
+    out["p2p_s"] = statistics.median(times)
+    comm.Barrier()
+    if comm.rank == 1:
+        print(json.dumps({**out, "kill": time.time()}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.Barrier()
+    except MPI.Exception:
+        pass
+    out["seen"] = time.time()
+    comm.Revoke()
+    comm.Shrink()
+    out["done"] = time.time()
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+def floor(n: int, mb: int, kills: int) -> list[dict]:
+    """``kills`` raw ULFM kills of rank 1 of ``n`` ranks (one job each, see ``floor_worker``): per kill,
+    kill -> seen (the first survivor), kill -> shrunk (the last), and the p2p seconds of ``mb``."""
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    cmd = [mpiexec, "--with-ft", "ulfm", "-n", str(n), "--mca", "btl", "^ofi", "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    out = []
+    for _ in range(kills):
+        run = subprocess.run(cmd + [sys.executable, __file__, "--floor-worker", "--state-mb", str(mb)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+        kill = [x["kill"] for x in lines if "kill" in x]
+        done = [x for x in lines if "done" in x]
+        if not kill or len(done) != n - 1:
+            print(f"  floor {n}x{mb}: {len(done)} of {n - 1} survivors shrank; {run.stderr[-500:]}", flush=True)
+            continue
+        out.append({"seen": min(x["seen"] for x in done) - kill[0], "shrunk": max(x["done"] for x in done) - kill[0],
+                    "p2p": next(x["p2p_s"] for x in lines if x["rank"] == 1)})
+    return out
+
+
+def tcp_worker(a: argparse.Namespace) -> int:
+    """MPI point to point between the first and the last rank (simulated nodes 0 and N-1: TCP), the
+    state's bytes, median of 3 (touched buffers); an event on the receiver."""
+    import elastic
+
+    world = elastic.init()
+    comm, last = world.mpi.comm, world.size - 1
+    buf = np.ones((a.state_mb << 20) // 8)
+    times = []
+    for _ in range(3):
+        comm.Barrier()
+        t = time.perf_counter()
+        if comm.rank == 0:
+            comm.Send(buf, dest=last)
+        elif comm.rank == last:
+            comm.Recv(buf, source=0)
+        times.append(time.perf_counter() - t)
+    if comm.rank == last:
+        world.events.emit("tcp", nbytes=int(buf.nbytes), seconds=statistics.median(times))
+    world.finish()
+    return 0
+
+
 def _bandwidth(world, buf: np.ndarray) -> None:
     """Raw MPI and memcpy bandwidth of the state's bytes (collective), as an event on every rank."""
     from bench_store import raw_bandwidth
@@ -140,10 +242,11 @@ def _bandwidth(world, buf: np.ndarray) -> None:
 
 
 # ---------------------------------------------------------------- the driver
-def launch(n: int, run_dir: Path, launcher: list[str], worker_args: list[str], env: dict | None = None) -> float:
+def launch(n: int, run_dir: Path, launcher: list[str], worker_args: list[str], env: dict | None = None,
+           script_flag: str = "--worker") -> float:
     """Run one job; returns the wall-clock time (time.time()) at which mpiexec was gone."""
     cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--timeout", "600", "--run-dir", str(run_dir),
-           *launcher, "--", sys.executable, __file__, "--worker", *worker_args]
+           *launcher, "--", sys.executable, __file__, script_flag, *worker_args]
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=700,
                    env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})})
     return time.time()
@@ -154,17 +257,15 @@ def events_of(run_dir: Path) -> list[dict]:
     return read_events(run_dir)
 
 
-def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> list[dict]:
-    """One job with ``reps`` failures in sequence; the phases of each recovery."""
+def in_memory(n: int, mb: int, mode: str, kills: int, a: argparse.Namespace, run_dir: Path) -> list[dict]:
+    """One job losing logical rank 1 ``kills`` times in a row; the phases of each recovery (seconds)."""
     from elastic.report import timeline
-    kills = ",".join(f"1@{a.interval * (g + 1) + 7}/g{g}" for g in range(a.reps))
-    launcher = {"shrink": ["--rebuild", "shrink"], "spare": ["--spares", str(a.reps), "--rebuild", "spare"],
+    # A shrink removes the logical rank it lost: the next kill takes the next one.
+    where = ",".join(f"{g + 1 if mode == 'shrink' else 1}@{a.interval * (g + 1) + 7}/g{g}" for g in range(kills))
+    launcher = {"shrink": ["--rebuild", "shrink"], "spare": ["--spares", str(kills), "--rebuild", "spare"],
                 "spawn": ["--rebuild", "spawn"], "spawn-cold": ["--rebuild", "spawn", "--cold"]}[mode] + \
-        ["--inject", kills]
-    if mode == "shrink" and n - a.reps < 1:
-        return []
-    run_dir = tmp / f"{mode}-{n}-{mb}"
-    steps = a.interval * (a.reps + 1) + 10
+        ["--inject", where]
+    steps = a.interval * (kills + 1) + 10
     launch(n, run_dir, launcher, ["--state-mb", str(mb), "--steps", str(steps), "--commit-every", str(a.interval)])
     events = events_of(run_dir)
     out = []
@@ -175,8 +276,12 @@ def in_memory(n: int, mb: int, mode: str, a: argparse.Namespace, tmp: Path) -> l
             continue
         restored = row["t_resumed"] - row["resume"] / 1e3
         restore = row["restore"] / 1e3
+        rebuilt = max(e["t"] for e in events if e["event"] == "rebuilt" and e["gen"] == row["gen"])
         out.append({"total": past[0]["t"] - row["t_failure"], "rebuild": restored - restore - row["t_failure"],
-                    "restore": restore, "redo": past[0]["t"] - restored})
+                    "restore": restore, "redo": past[0]["t"] - restored,
+                    "detect": row["detect"] / 1e3, "rebuilt": rebuilt - row["t_failure"]})
+    if len(out) < kills:
+        print(f"  {mode} {n}x{mb}: {len(out)} of {kills} recoveries measured; see {run_dir}", flush=True)
     return out
 
 
@@ -201,25 +306,49 @@ def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path, cold: bool = Fa
     started, attached, recovered, resumed = last("started"), last("store_attached"), last("store_recovered"), \
         last("resumed")
     past = min(e["t"] for e in later if e["event"] == "step" and e["step"] > failed_at)
+    fetched = sum(e["bytes_in"] for e in later if e["event"] == "restored")
+    fetch = max(e["durations"]["fetch"] for e in later if e["event"] == "store_recovered")
     return [{"total": past - t_kill, "detect": gone - t_kill, "relaunch": started - gone, "attach": attached - started,
-             "fetch": recovered - attached, "resume": resumed - recovered, "redo": past - resumed}]
+             "fetch": recovered - attached, "resume": resumed - recovered, "redo": past - resumed,
+             "fetch_gbps": fetched / fetch / 1e9, "fetched_bytes": fetched, "warm_hosts": warm_hosts(run_dir)}]
 
 
-def restart(n: int, mb: int, a: argparse.Namespace, tmp: Path, nodes: int = 0) -> list[dict]:
-    """Checkpoint-restart: each repetition is a job killed after a checkpoint, then relaunched
+def warm_hosts(run_dir: Path) -> list[list[str | None]]:
+    """For each rank the relaunch started on a host the first launch did not use: [its host, the host
+    of the warm process that forked it (the ``started`` event's), or None where it started cold]."""
+    first, new = set(), []
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        host = path.name.split("-")[1]
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "started":
+                (first.add(host) if "relaunch" not in e else new.append((host, e.get("warm_host"))))
+    return [[host, warm] for host, warm in new if host not in first]
+
+
+def tcp_rate(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> float:
+    """GB/s of MPI point to point between simulated nodes 0 and N-1 (TCP), ``mb`` MB, in this run."""
+    run_dir = tmp / f"tcp-{n}-{mb}"
+    launch(n, run_dir, ["--simulate-nodes", str(a.nodes)], ["--state-mb", str(mb)], script_flag="--tcp-worker")
+    e = next(e for e in events_of(run_dir) if e["event"] == "tcp")
+    return float(e["nbytes"] / e["seconds"] / 1e9)
+
+
+def restart(n: int, mb: int, kills: int, a: argparse.Namespace, root: Path, nodes: int = 0) -> list[dict]:
+    """Checkpoint-restart: ``kills`` jobs in a row, each killed after a checkpoint, then relaunched
     (``nodes``: on simulated nodes, losing node 1 instead of rank 1)."""
-    ckpt = tmp / f"ckpt-{n}-{mb}"
-    ckpt.mkdir()
-    steps = a.interval * (a.reps + 1) + 10
+    ckpt = root / "ckpt"
+    ckpt.mkdir(parents=True)
+    steps = a.interval * (kills + 1) + 10
     common = ["--state-mb", str(mb), "--steps", str(steps), "--commit-every", "0",
               "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(a.interval)]
     no_recovery = {"ELASTIC_REBUILD": "spare"}  # no spares: the first death ends the job, as without ULFM
     out = []
     previous = None
-    for g in range(a.reps + 1):
-        run_dir = tmp / f"restart-{n}-{mb}-{g}"
+    for g in range(kills + 1):
+        run_dir = root / str(g)
         where = f"node1@{a.interval * (g + 1) + 7}" if nodes else f"1@{a.interval * (g + 1) + 7}"
-        kill = ["--inject", where] if g < a.reps else []
+        kill = ["--inject", where] if g < kills else []
         on = ["--cold"] + (["--simulate-nodes", str(nodes), "--relaunches", "0"] if nodes else [])
         t_gone = launch(n, run_dir, on + kill, common, no_recovery)
         events = events_of(run_dir)
@@ -256,7 +385,10 @@ def steady(n: int, mb: int, a: argparse.Namespace, tmp: Path) -> dict:
         out[every] = (steps[-1]["t"] - steps[first - 1]["t"]) / (len(steps) - first)
         if extra:
             bw = [e for e in events if e["event"] == "bandwidth"]
-            commits = [sum(e["durations"].values()) for e in events if e["event"] == "committed" and e["version"] >= 2]
+            late = [e for e in events if e["event"] == "committed" and e["version"] >= 2]
+            commits = [sum(e["durations"].values()) for e in late]
+            for phase in ("prepare", "exchange", "checksum", "vote", "pack"):
+                out[f"commit_{phase}_s"] = statistics.median(e["durations"][phase] for e in late)
             out["p2p_MBps"] = mb / statistics.median(e["p2p_s"] for e in bw)
             out["memcpy_MBps"] = mb / statistics.median(e["memcpy_s"] for e in bw)
             out["commit_s"] = statistics.median(commits)
@@ -274,21 +406,60 @@ def _configurations(a: argparse.Namespace, width: int) -> Iterator[tuple[int, in
             yield n, mb
 
 
+def every_mode(n: int, mb: int, a: argparse.Namespace, root: Path) -> dict[str, list[dict]]:
+    """The floor and every mode's kills at (n ranks, mb MB per rank), their jobs alternated."""
+    def job(mode: str) -> Callable[[int, Path], list[dict]]:
+        return lambda kills, run_dir: in_memory(n, mb, mode, kills, a, run_dir)
+    jobs = {"floor": (1, lambda kills, _: floor(n, mb, kills)),
+            "shrink": (max(1, n - 2), job("shrink")),  # two ranks left at least
+            **{m: (a.reps, job(m)) for m in ("spare", "spawn", "spawn-cold")},
+            "restart": (a.reps, lambda kills, run_dir: restart(n, mb, kills, a, run_dir))}
+    return alternated(jobs, {m: a.reps for m in jobs} | {"restart": a.restart_reps}, root)
+
+
+def alternated(jobs: dict[str, tuple[int, Callable[[int, Path], list[dict]]]], kills: dict[str, int],
+               root: Path) -> dict[str, list[dict]]:
+    """Each mode's ``kills`` spread over jobs of at most its kills per job (two jobs at least), the
+    modes' jobs interleaved evenly over the run: a machine that slows down for a while slows every
+    mode alike. ``jobs``: mode -> (kills per job, run(kills, run_dir) -> rows)."""
+    queue = []
+    for mode, (per_job, _) in jobs.items():
+        count = max(2, -(-kills[mode] // per_job)) if kills[mode] else 0
+        shares = [kills[mode] // count + (i < kills[mode] % count) for i in range(count)]
+        queue += [((i + 0.5) / count, mode, i, k) for i, k in enumerate(shares) if k]
+    out: dict[str, list[dict]] = {mode: [] for mode in jobs}
+    for _, mode, i, k in sorted(queue):
+        out[mode] += jobs[mode][1](k, root / f"{mode}-{i}")
+    return out
+
+
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows) if rows else float("nan")
+
+
+def top(rows: list[dict], key: str) -> float:
+    return max(r[key] for r in rows) if rows else float("nan")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 128], help="MB of state per rank")
-    parser.add_argument("--reps", type=int, default=2, help="failures per mode and configuration")
+    parser.add_argument("--reps", type=int, default=8, help="failures per mode and configuration")
+    parser.add_argument("--restart-reps", type=int, default=4,
+                        help="failures for checkpoint-restart (each a cold relaunch: seconds)")
     parser.add_argument("--interval", type=int, default=10, help="steps between commits / checkpoints")
     parser.add_argument("--max-total-mb", type=int, default=2048, help="skip ranks x MB above this (memory)")
     parser.add_argument("--out", type=Path, default=Path("elastic-run/bench"))
     parser.add_argument("--nodes", type=int, default=0,
                         help="node loss instead, on this many simulated nodes (+1 spare; root): tier 2 vs restart")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tcp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state-mb", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--commit-every", type=int, default=10, help=argparse.SUPPRESS)
@@ -298,44 +469,74 @@ def main() -> int:
     a = parser.parse_args()
     if a.worker:
         return worker(a)
+    if a.floor_worker:
+        return floor_worker(a)
+    if a.tcp_worker:
+        return tcp_worker(a)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.nodes:
         return node_main(a)
-    print(f"kill -> first step past the one the job was on, seconds, median of {a.reps}; commit / checkpoint "
-          f"every {a.interval} steps, kill {7} steps after one; restart = (d) over (a-c)", flush=True)
-    head = ("ranks", "MB", "shrink", "spare", "spawn", "spawn cold", "restart", "d/shrink", "d/spare", "d/spawn",
-            "spawn/spare", "cold/spare", "rebuild", "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
-    print(" ".join(f"{h:>9}" for h in head), flush=True)
-    results = []
-    for n, mb in _configurations(a, 9):
+    print(f"kill -> first step past the one the job was on, seconds, median of {a.reps} kills (restart: "
+          f"{a.restart_reps}); commit / checkpoint every {a.interval} steps, kill 7 steps after one; the modes' jobs "
+          "alternate; restart = (d) over (a-c)", flush=True)
+    head = ("ranks", "MB", "floor", "shrink", "spare", "spawn", "spawn cold", "restart", "spare/flr", "d/shrink",
+            "d/spare", "d/spawn", "spawn/spare", "cold/spare", "detect ms", "max ms", "flr det ms", "rebuilt",
+            "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
+    print(" ".join(f"{h:>10}" for h in head), flush=True)
+    results, table = [], []
+    for n, mb in _configurations(a, 10):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
-            rows = {m: in_memory(n, mb, m, a, Path(tmp)) for m in ("shrink", "spare", "spawn", "spawn-cold")}
-            rows["restart"] = restart(n, mb, a, Path(tmp))
+            rows = every_mode(n, mb, a, Path(tmp))
             flat = steady(n, mb, a, Path(tmp))
-        r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat}
+        # The floor: a raw revoke + shrink of the same ranks, and the lost rank's bytes at the p2p
+        # rate between two of them (measured in the floor's jobs, between the same processes).
+        floor_s = med(rows["floor"], "shrunk") + med(rows["floor"], "p2p")
+        r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat, "floor_s": floor_s}
         results.append(r)
+        for mode in ("shrink", "spare", "spawn", "spawn-cold", "restart"):
+            table.append({"mode": mode, "ranks": n, "mb": mb, "kills": len(rows[mode]),
+                          "median_s": med(rows[mode], "total"), "mean_s": mean(rows[mode], "total"),
+                          "max_s": top(rows[mode], "total"), "floor_s": floor_s,
+                          "detect_ms": 1e3 * med(rows[mode], "detect") if mode != "restart" else None,
+                          "detect_max_ms": 1e3 * top(rows[mode], "detect") if mode != "restart" else None})
         d = med(rows["restart"], "total")
         spare = med(rows["spare"], "total")
-        cells = (n, mb, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn", "spawn-cold")), d,
-                 *(d / med(rows[m], "total") for m in ("shrink", "spare", "spawn")),
+        cells = (n, mb, floor_s, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn", "spawn-cold")), d,
+                 spare / floor_s, *(d / med(rows[m], "total") for m in ("shrink", "spare", "spawn")),
                  med(rows["spawn"], "total") / spare, med(rows["spawn-cold"], "total") / spare,
-                 med(rows["spare"], "rebuild"), med(rows["spare"], "restore"), med(rows["spare"], "redo"),
+                 1e3 * med(rows["spare"], "detect"), 1e3 * top(rows["spare"], "detect"),
+                 1e3 * med(rows["floor"], "seen"),
+                 med(rows["spare"], "rebuilt"), med(rows["spare"], "restore"), med(rows["spare"], "redo"),
                  med(rows["restart"], "teardown"), med(rows["restart"], "relaunch"),
                  med(rows["restart"], "load"), med(rows["restart"], "save"))
+        print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
+    print("\nEvery mode, median / mean / max over its kills (s), and detection (kill -> a survivor sees it, ms):")
+    print(" ".join(f"{h:>9}" for h in ("mode", "ranks", "MB", "kills", "median", "mean", "max", "floor", "x floor",
+                                        "detect", "det max")))
+    for t in table:
+        cells = (t["mode"], t["ranks"], t["mb"], t["kills"], t["median_s"], t["mean_s"], t["max_s"], t["floor_s"],
+                 t["median_s"] / t["floor_s"], t["detect_ms"] if t["detect_ms"] is not None else "-",
+                 t["detect_max_ms"] if t["detect_max_ms"] is not None else "-")
         print(" ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
     print("\nphases of (a-c): rebuild (kill -> recovery under way), restore, redo; shown for spare above.\n"
           "Steady state: seconds per step with commits amortised, and that over no fault tolerance ('x'). "
-          "This job's steps are milliseconds; the cost of a commit ('commit s') is what carries to a real step.",
+          "This job's steps are milliseconds; the cost of a commit ('commit s') is what carries to a real step. "
+          "p2p: a ring Sendrecv of the same bytes between the same ranks (every rank sends and receives at once, "
+          "as in a commit); the commit's phases (s, median): prepare, exchange (the copies to the holders), "
+          "checksum, vote, pack (the roll-back copy of the rank's own state).",
           flush=True)
     head = ("ranks", "MB", "no FT", f"every {a.interval}", "every 1", f"x every {a.interval}", "x every 1",
-            "commit s", "commit MB/s", "p2p MB/s", "memcpy MB/s", "commit/p2p")
+            "commit s", "commit MB/s", "p2p MB/s", "memcpy MB/s", "commit/p2p", "prepare", "exchange", "checksum",
+            "vote", "pack")
     print(" ".join(f"{h:>11}" for h in head), flush=True)
     for r in results:
         s = r["steady"]
         cells = (r["ranks"], r["mb"], s[0], s[a.interval], s[1], s[a.interval] / s[0], s[1] / s[0], s["commit_s"],
-                 s["commit_MBps"], s["p2p_MBps"], s["memcpy_MBps"], s["commit_MBps"] / s["p2p_MBps"])
+                 s["commit_MBps"], s["p2p_MBps"], s["memcpy_MBps"], s["commit_MBps"] / s["p2p_MBps"],
+                 *(s[f"commit_{k}_s"] for k in ("prepare", "exchange", "checksum", "vote", "pack")))
         print(" ".join(f"{c:>11.4f}" if isinstance(c, float) else f"{c:>11}" for c in cells), flush=True)
-    (a.out / "bench_recovery.json").write_text(json.dumps({"interval": a.interval, "results": results}, indent=1))
+    (a.out / "bench_recovery.json").write_text(json.dumps({"interval": a.interval, "rows": table, "results": results},
+                                                          indent=1))
     _plot(results, a.out / "bench_recovery.png")
     return 0
 
@@ -346,20 +547,30 @@ def node_main(a: argparse.Namespace) -> int:
     print(f"node 1 of {a.nodes} simulated nodes killed {a.interval + 7} steps in (commit / checkpoint every "
           f"{a.interval}); kill -> first step past the one the job was on, seconds", flush=True)
     head = ("ranks", "MB", "tier 2", "t2 cold", "restart", "restart/t2", "r/t2 cold", "detect", "relaunch",
-            "attach", "fetch", "resume", "redo", "c:relaunch", "r:teardown", "r:relaunch", "r:load", "ckpt save")
+            "attach", "fetch", "resume", "redo", "c:relaunch", "r:teardown", "r:relaunch", "r:load", "ckpt save",
+            "fetch GB/s", "tcp GB/s", "fetch/tcp", "warm")
     print(" ".join(f"{h:>10}" for h in head), flush=True)
     results = []
     for n, mb in _configurations(a, 10):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
+            tcp = tcp_rate(n, mb, a, Path(tmp))
             tier2 = node_loss(n, mb, a, Path(tmp))
             cold = node_loss(n, mb, a, Path(tmp), cold=True)
-            again = restart(n, mb, a, Path(tmp), nodes=a.nodes)
-        results.append({"ranks": n, "mb": mb, "tier2": tier2, "tier2_cold": cold, "restart": again})
+            again = restart(n, mb, 1, a, Path(tmp) / "restart", nodes=a.nodes)
+        for row in tier2 + cold:
+            row["tcp_gbps"] = tcp
+        results.append({"ranks": n, "mb": mb, "tcp_gbps": tcp, "tier2": tier2, "tier2_cold": cold, "restart": again})
         t2, c2, d = med(tier2, "total"), med(cold, "total"), med(again, "total")
+        warm = [w for row in tier2 for w in row["warm_hosts"]]
         cells = (n, mb, t2, c2, d, d / t2, d / c2, *(med(tier2, k) for k in ("detect", "relaunch", "attach", "fetch",
                                                                               "resume", "redo")),
-                 med(cold, "relaunch"), *(med(again, k) for k in ("teardown", "relaunch", "load", "save")))
+                 med(cold, "relaunch"), *(med(again, k) for k in ("teardown", "relaunch", "load", "save")),
+                 med(tier2, "fetch_gbps"), tcp, med(tier2, "fetch_gbps") / tcp,
+                 f"{sum(w[0] == w[1] for w in warm)}/{len(warm)}")
         print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
+    print("fetch GB/s: the lost node's bytes over the store's fetch; tcp GB/s: MPI point to point between simulated "
+          "nodes 0 and N-1 in the same run; warm: relaunched ranks on new hosts forked by their own host's warm "
+          "process / all of them", flush=True)
     (a.out / "bench_node_loss.json").write_text(json.dumps({"interval": a.interval, "nodes": a.nodes,
                                                             "results": results}, indent=1))
     return 0
