@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Mapping
 
 from elastic.comm.runtime import STOPPED_SENTINEL_SECONDS, WARM_ANSWER_SECONDS
 from elastic.comm.events import SIGNAL_ERRORS, describe_end, read_events, read_fates, read_outcomes
@@ -103,9 +103,10 @@ def _is_sentinel(pid: int) -> bool:
 class Attempt:
     """One mpiexec run of the job, watched to its end (local)."""
 
-    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str], warm: tuple[int, ...] = ()) -> None:
+    def __init__(self, plan: LaunchPlan, cmd: list[str], env: dict[str, str],
+                 warm: Mapping[str, int] | None = None) -> None:
         self.plan = plan
-        self.warm = warm  # the warm processes' pids (a host's each): the ranks they forked are this launch's too
+        self.warm = dict(warm or {})  # host -> its warm process's pid: the ranks they forked are this launch's too
         self.stopping: list[float] = []  # when the job was told to stop (a signal, the timeout)
         self.stopped_at: float | None = None  # the same, wall time (the fates' clock)
         self.leftovers: list[int] = []
@@ -145,7 +146,8 @@ class Attempt:
         # the ranks the warm processes forked (outside mpiexec's session; a stopped one cannot act on its
         # sentinel's death). Sentinels may still be writing down how their rank ended: a moment for them.
         def left() -> list[int]:  # one pass over /proc: mpiexec's session, the warm processes' children
-            return _processes(lambda pid, fields: _in_session(proc.pid, pid, fields) or int(fields[1]) in self.warm)
+            return _processes(lambda pid, fields: _in_session(proc.pid, pid, fields) or
+                              int(fields[1]) in self.warm.values())
         settle = time.monotonic() + LEFTOVER_SECONDS
         while left() and time.monotonic() < settle and proc.poll() is not None:
             time.sleep(0.05)
@@ -181,15 +183,16 @@ class Attempt:
         (``WARM_ANSWER_SECONDS``): the ranks started on its host from then on start cold, and a
         request it holds unread (a sentinel's streams, passed with it) no longer keeps mpiexec from
         ending."""
-        watched = set(self.warm) - self.warm_killed
+        watched = set(self.warm.values()) - self.warm_killed
         if not watched:
             return
         stopped = set(_processes(lambda pid, fields: pid in watched and fields[0] in "Tt"))
         self.warm_stopped_since = {pid: self.warm_stopped_since.get(pid, now) for pid in stopped}
+        host_of = {pid: host for host, pid in self.warm.items()}
         for pid, since in self.warm_stopped_since.items():
             if now - since >= WARM_ANSWER_SECONDS:
                 print(f"[launch] the warm process pid {pid} has been stopped for {now - since:.0f} s: killed; "
-                      "ranks started on its host from now on start cold", file=sys.stderr, flush=True)
+                      f"ranks started on {host_of[pid]} from now on start cold", file=sys.stderr, flush=True)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 self.warm_killed.add(pid)

@@ -135,7 +135,7 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
         commands = {host: [str(agent), host, "exec " + shlex.join(serve)]
                     for host in [h for h, _ in plan.hosts] + list(plan.spare_hosts)}
     else:
-        commands = {"this machine": serve}
+        commands = {"this host": serve}
     env = {**os.environ, **job_env(plan.config, plan.training, omp_threads(plan))}
     procs = {host: subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
              for host, command in commands.items()}  # their own sessions: no ^C
@@ -184,8 +184,7 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
         if not plan.quiet:
             print(f"[launch] {' '.join(cmd)}", flush=True)
         done.times.append({"launched": time.time()})
-        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training, omp_threads(plan)),
-                                         tuple(warm.values()))
+        done.attempt = attempt = Attempt(plan, cmd, job_env(done.config, plan.training, omp_threads(plan)), warm)
         if got:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)
