@@ -118,9 +118,9 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
     """The warm processes (``elastic.comm._warm``): each imports what the ranks import, then forks
     each rank of its host, a spawned replacement or a relaunched rank as well, in milliseconds
     instead of an interpreter's start. One on this machine; on simulated nodes one on each node, the
-    spare nodes too, started through the node agent as mpiexec starts the node's daemon (in the
-    node's namespaces, its socket in the node's memory, so that it dies with the node), so that a
-    relaunch forks warm on whichever nodes it uses. Waits until they serve (what one cold start
+    spare nodes too, started through the node agent as mpiexec starts the node's daemon (the node's
+    hostname, its socket in the node's memory; killed with that memory when the node is lost), so
+    that a relaunch forks warm on whichever nodes it uses. Waits until they serve (what one cold start
     takes); a host whose warm process cannot serve gets a note, and its ranks start cold. By host."""
     if not plan.config.warm_socket:
         return {}
@@ -144,8 +144,9 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
     for host, proc in procs.items():
         assert proc.stdout is not None
         # Bounded: a warm process stuck in an import must not hold the job (its ranks then start cold).
-        ready = proc.stdout.readline() if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[
-            0] else f"not ready after {WARM_START_SECONDS:g} s"
+        left = max(0.0, deadline - time.monotonic())
+        ready = proc.stdout.readline() if select.select([proc.stdout], [], [], left)[0] else \
+            f"not ready after {WARM_START_SECONDS:g} s"
         if ready.startswith("[warm] ready"):
             serving[host] = proc
             continue
