@@ -318,11 +318,15 @@ def warm_hosts(run_dir: Path) -> list[list[str | None]]:
     of the warm process that forked it (the ``started`` event's), or None where it started cold]."""
     first, new = set(), []
     for path in sorted(run_dir.glob("events-*.jsonl")):
-        host = path.name.split("-")[1]
+        host = path.stem[len("events-"):].rsplit("-", 1)[0]  # events-<host>-<pid>.jsonl
         for line in path.read_text().splitlines():
             e = json.loads(line)
-            if e["event"] == "started":
-                (first.add(host) if "relaunch" not in e else new.append((host, e.get("warm_host"))))
+            if e["event"] != "started":
+                continue
+            if "relaunch" in e:
+                new.append((host, e.get("warm_host")))
+            else:
+                first.add(host)
     return [[host, warm] for host, warm in new if host not in first]
 
 
