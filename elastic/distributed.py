@@ -144,12 +144,14 @@ class DistributedDataParallel:
     DDP averages gradients over the ranks: for the global mean of a global batch shared unevenly
     (``GlobalBatches``), make each rank's loss ``sum over its samples * world.size / global batch``.
 
-    On the ``ulfm`` group the gradients go in one all-reduce per backward, laid out by parameter,
-    last first (``_Gradients``). On Gloo each parameter is its own bucket unless ``ddp_options`` say
-    otherwise: DDP buckets a fresh wrapper's first step in another layout than its later ones,
-    and a ring all-reduce rounds each element by where it lies in its bucket, so after a re-wrap
-    the sums would differ in the last bits from a run that never re-wrapped. Pass
-    ``bucket_cap_mb=...`` for fewer, larger all-reduces when bits do not matter.
+    On the ``ulfm`` group and on Gloo the gradients go in one all-reduce per backward, laid out by
+    parameter, last first (``_Gradients``): DDP buckets a fresh wrapper's first step in another
+    layout than its later ones, and a ring all-reduce rounds each element by where it lies in what
+    it reduces, so in DDP's own buckets the sums after a re-wrap would differ in the last bits from
+    a run that never re-wrapped. On NCCL each parameter is its own bucket unless ``ddp_options`` say
+    otherwise (``bucket_cap_mb=...`` for fewer, larger all-reduces when bits do not matter).
+    ``register_comm_hook(state, hook)`` (torch's) puts the program's own hook in place of that
+    layout, on this wrapper and on every one a rebuild makes.
     """
 
     def __init__(self, world: World, module: torch.nn.Module, process_group: ProcessGroup | None = None,
@@ -159,9 +161,19 @@ class DistributedDataParallel:
         self._pg = process_group or ProcessGroup(world)
         self._options = ddp_options
         self._ddp: Any = None
+        self._hook: tuple[Any, Any] | None = None  # the program's comm hook: (state, hook)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp(*args, **kwargs)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's ``register_comm_hook``, kept: the hook goes on each generation's wrapper,
+        in place of the library's own (DDP takes one). Call it on every rank alike, before the
+        next forward (a wrapper made already is made again there, with it: collective)."""
+        self._hook = (state, hook)
+        if self._ddp is not None:
+            self._retire(self._ddp)
+            self._ddp = None
 
     def __getattr__(self, name: str) -> Any:
         """torch DDP's own attributes (``no_sync``, ``train``, ``eval``, ``state_dict``, ...),
@@ -178,28 +190,36 @@ class DistributedDataParallel:
             self._wrap()
         return self._ddp
 
+    @staticmethod
+    def _retire(old: Any) -> None:
+        """A torch DDP object sits in a reference cycle: only the cyclic GC frees it, at a time no
+        program controls. Until then a reducer whose backward a failure cut short keeps its hooks
+        on the parameters, still expecting them, and they fire in the next backward of the new
+        wrapper ("marked ready twice", or its buckets written back): a recovery that differed once
+        in a while. Unhooked here, whenever the GC comes."""
+        old._remove_autograd_hooks()
+
     def _wrap(self) -> None:
         old, self._ddp = self._ddp, None
         if old is not None:
-            # A torch DDP object sits in a reference cycle: only the cyclic GC frees it, at a time
-            # no program controls. Until then a reducer whose backward a failure cut short keeps
-            # its hooks on the parameters, still expecting them, and they fire in the next
-            # backward of the new wrapper ("marked ready twice", or its buckets written back):
-            # a recovery that differed once in a while. Unhooked here, whenever the GC comes.
-            old._remove_autograd_hooks()
+            self._retire(old)
         group = self._pg.group
         options = self._options
-        if not isinstance(group, _mpigroup.MPIGroup) and not {"bucket_cap_mb", "bucket_cap_mb_list"} & set(options):
+        flat = isinstance(group, _mpigroup.MPIGroup) or dist.get_backend(group) == "gloo"
+        if not flat and not {"bucket_cap_mb", "bucket_cap_mb_list"} & set(options):
             options = {**options, "bucket_cap_mb_list": [1e-6]}  # one parameter per bucket: see above
-        self._ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **options)
-        if isinstance(group, _mpigroup.MPIGroup):
-            self._ddp.register_comm_hook(_Gradients(group, self.module), _gradients_hook)
+        ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=group, **options)
+        if self._hook is not None:
+            ddp.register_comm_hook(*self._hook)
+        elif flat:
+            ddp.register_comm_hook(_Gradients(self._world, group, self.module), _gradients_hook)
         elif self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside DDP's all-reduce
-            self._ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
+            ddp.register_comm_hook(self._world, _allreduce_with_fault_point)
+        self._ddp = ddp
 
 
 class _Gradients:
-    """DDP's gradients on the World's communicator: one all-reduce per backward, over the
+    """DDP's gradients on the World's communicator or on Gloo: one all-reduce per backward, over the
     gradients laid out in reverse parameter order, whatever DDP's buckets.
 
     DDP hands its buckets over one by one as the backward makes them; each waits here until the
@@ -211,8 +231,8 @@ class _Gradients:
     gradients become ready last layer first: there its one bucket is all-reduced in place (no
     copy in, no copy out); any other layout is copied into that order and back."""
 
-    def __init__(self, group: _mpigroup.MPIGroup, module: torch.nn.Module) -> None:
-        self.group, self._module = group, module
+    def __init__(self, world: Group, group: Any, module: torch.nn.Module) -> None:
+        self._world, self.group, self._module = world, group, module
         self._order: dict[int, int] = {}  # a parameter's address -> its place, last parameter first
         self._layout: list[int] = []  # the parameters' addresses in that order
         self._waiting: list[tuple[Any, torch.futures.Future]] = []
@@ -232,7 +252,7 @@ class _Gradients:
             waiting, self._waiting = self._waiting, []
             if len(waiting) == 1 and [p.data_ptr() for p in bucket.parameters()] == self._layout:
                 flat = bucket.buffer().div_(self.group.size())  # torch's mean; DDP copies it into .grad
-                self.group.reduce_in_place([flat])
+                self._reduce(flat)
             else:
                 self._reduce_in_layout(waiting)
             for b, done in waiting:
@@ -242,11 +262,22 @@ class _Gradients:
     def _reduce_in_layout(self, waiting: list[tuple[Any, torch.futures.Future]]) -> None:
         grads = sorted((self._place(p), g) for b, _ in waiting for p, g in zip(b.parameters(), b.gradients()))
         flat = torch.cat([g.reshape(-1) for _, g in grads]).div_(self.group.size())  # torch's mean
-        self.group.reduce_in_place([flat])
+        self._reduce(flat)
         offset = 0
         for _, g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+    def _reduce(self, flat: torch.Tensor) -> None:
+        """Sum ``flat`` over the ranks, in place: on the World's communicator (its ``collective``
+        fault point in flight), or on Gloo (the fault point first, as DDP's own hook had it)."""
+        if isinstance(self.group, _mpigroup.MPIGroup):
+            self.group.reduce_in_place([flat])
+            return
+        if self._world.job.settings.faults_scheduled:  # the launcher's R@cS faults fire inside the all-reduce
+            self._world.fault_point(self._world.job.step, "collective")
+        dist.all_reduce(flat, group=self.group)
 
 
 def _gradients_hook(state: _Gradients, bucket: Any) -> torch.futures.Future:

@@ -439,8 +439,14 @@ def test_a_rewrap_unhooks_the_ddp_whose_backward_a_failure_cut_short():
             self.made = self.generation
             return dist.group.WORLD
 
-    def dies(state, bucket):
-        raise RuntimeError("Connection closed by peer")
+    calls = []
+
+    def dies(state, bucket):  # the program's comm hook: its first backward's peer is lost
+        calls.append(bucket.index())
+        if len(calls) == 1:
+            raise RuntimeError("Connection closed by peer")
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        return default_hooks.allreduce_hook(dist.group.WORLD, bucket)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -448,7 +454,7 @@ def test_a_rewrap_unhooks_the_ddp_whose_backward_a_failure_cut_short():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         groups, x = Rebuilt(), torch.randn(3, 4)
         ddp = DistributedDataParallel(SimJob(1).rank(0), model, process_group=groups)
-        ddp.register_comm_hook(None, dies)  # torch DDP's own method, through the wrapper
+        ddp.register_comm_hook(None, dies)  # torch DDP's own method, kept across re-wraps by the wrapper
         with pytest.raises(RuntimeError, match="closed by peer"):
             ddp(x).sum().backward()
         cut_short = ddp.ddp
@@ -456,6 +462,7 @@ def test_a_rewrap_unhooks_the_ddp_whose_backward_a_failure_cut_short():
         model.zero_grad(set_to_none=True)
         ddp(x).sum().backward()
         assert ddp.ddp is not cut_short
+        assert len(calls) > 1  # the new wrapper runs the program's hook too
         plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         plain.load_state_dict(model.state_dict())
         plain(x).sum().backward()
