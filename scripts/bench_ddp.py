@@ -7,7 +7,7 @@ The same model, data and optimizer (examples/train.py's MLP) trained four ways
 ``elastic.allreduce_gradients`` over MPI after the backward pass); ``ddp``,
 ``examples/ddp.py`` on the ``ulfm`` process group (torch's DDP over the World's
 communicator, one all-reduce per backward); ``ddp-gloo``, the same over Gloo
-(one parameter per bucket, a 10 s group timeout: the bound a rank waits in an
+(the same one all-reduce, a 10 s group timeout: the bound a rank waits in an
 all-reduce its peer left); ``fsdp``, ``examples/fsdp.py`` (FSDP2's
 ``fully_shard`` on the ``ulfm`` group, its shards in the store);
 ``transformer-fsdp``, ``examples/fsdp_transformer.py`` (the official FSDP2
