@@ -63,6 +63,15 @@ def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
+def test_a_kill_inside_the_gloo_all_reduce_is_bitwise(tmp_path, reference):
+    """Over Gloo too the gradients go in one all-reduce laid out by parameter: rank 2 killed inside
+    step 13's, the survivors leave it at the group's timeout (3 s) and the spare's run ends bitwise."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@c13", program=DDP_GLOO)
+    assert_bitwise(job, reference(DDP_GLOO), "optimizer_sha256")
+    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 13)]
+
+
+@pytest.mark.fault
 def test_a_kill_inside_ddps_all_reduce_with_find_unused_parameters_is_bitwise(tmp_path, reference):
     # The sums do not depend on DDP's buckets: find_unused_parameters gives the same bits too.
     job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@c13", program=DDP + ("--find-unused-parameters",))
