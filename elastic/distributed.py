@@ -268,7 +268,6 @@ class _Gradients:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-
     def _reduce(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the ranks, in place: on the World's communicator (its ``collective``
         fault point in flight), or on Gloo (the fault point first, as DDP's own hook had it)."""

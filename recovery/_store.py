@@ -132,7 +132,6 @@ class ReplicatedStore:
         self.bytes_moved = 0  # by this rank in the last commit or recovery
         self._said_reduced = False
         self.last_recovery: dict[str, float] = {}  # seconds: fetch (from peers), and its phases
-        self._fetch_phases: dict[str, float] = {}  # the last fetch's: check (the copies to send), exchange, vote
         self.given_up: list[int] = []  # by the last recover(give_up=True): dead ranks whose state had no copy left
         self._hashing: threading.Thread | None = None  # the holder's checksums of the last commit's copies
         self._told: tuple[tuple[int, int], list[Any]] | None = None  # the last announcement heard, and for what
@@ -243,8 +242,8 @@ class ReplicatedStore:
                                  if o in set(dead)})
         nbytes = {o: n for part in known for o, n in part.items()}
         t0 = time.perf_counter()
-        fetched = self._fetch(layout, dead, nbytes, live, receiver, number, give_up)
-        self.last_recovery = {"fetch": time.perf_counter() - t0, **self._fetch_phases}
+        fetched, phases = self._fetch(layout, dead, nbytes, live, receiver, number, give_up)
+        self.last_recovery = {"fetch": time.perf_counter() - t0, **phases}
         if me in fetched:  # a replacement: its own payload, and none of the copies it should hold yet
             self._current = _Version(number, layout, {me: nbytes[me]}, {me: fetched.pop(me)}, {}, complete=False)
         elif me in self.given_up:  # a replacement whose state is gone: the version, with no payload
@@ -464,8 +463,10 @@ class ReplicatedStore:
         return self._current.number, self._current.complete, tuple(self.owners_here())
 
     def _fetch(self, layout: Layout, dead: list[int], nbytes: Mapping[int, int], live: set[int],
-               receiver: Mapping[int, int], number: int, give_up: bool = False) -> dict[int, np.ndarray]:
-        """Assemble every dead owner's payload at its receiver, from live holders (collective).
+               receiver: Mapping[int, int], number: int, give_up: bool = False
+               ) -> tuple[dict[int, np.ndarray], dict[str, float]]:
+        """Assemble every dead owner's payload at its receiver, from live holders (collective);
+        with the seconds of its phases: check (the copies to send), exchange, vote.
 
         Each holder checks the pieces it is to send against their checksums
         first; a corrupted piece is planned again from another holder. ``give_up``: owners with
@@ -478,6 +479,7 @@ class ReplicatedStore:
         n_chunks = {o: -(-nbytes[o] // self.chunk_bytes) for o in dead if o in nbytes}
         bad: set[tuple[int, int, int]] = set()
         self.given_up = []
+        checked = 0.0
         while True:
             try:
                 chosen = plan(layout, list(n_chunks), n_chunks, self.replication, live, bad)
@@ -494,7 +496,7 @@ class ReplicatedStore:
                 continue
             t0 = time.perf_counter()
             corrupt = [(me, p.owner, p.first) for p in chosen.values() if p.holder == me and not self._intact(p)]
-            checked = time.perf_counter() - t0
+            checked += time.perf_counter() - t0
             for _, owner, first in corrupt:
                 world.events.emit("corrupt_copy", owner=owner, chunk=first, holder=me)
             reports = world.allgather(corrupt)
@@ -519,10 +521,10 @@ class ReplicatedStore:
             ok = False
         t1 = time.perf_counter()
         self._vote(ok)
-        self._fetch_phases = {"check": checked, "exchange": t1 - t0, "vote": time.perf_counter() - t1}
+        phases = {"check": checked, "exchange": t1 - t0, "vote": time.perf_counter() - t1}
         world.events.emit("restored", chunks=sum(p.count for p in chosen.values() if receiver[p.owner] == me),
                           bytes_in=int(sum(b.nbytes for b in out.values())), bytes_out=self.bytes_moved)
-        return out
+        return out, phases
 
     def _held(self, p: Piece) -> _Held:
         assert self._current is not None

@@ -150,6 +150,21 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def pair_seconds(comm, buf: np.ndarray, source: int, dest: int) -> float:
+    """Seconds for ``buf`` from rank ``source`` to rank ``dest`` (median of 3, each after a barrier;
+    the receiver's time is the one that counts; collective)."""
+    times = []
+    for _ in range(3):
+        comm.Barrier()
+        t = time.perf_counter()
+        if comm.rank == source:
+            comm.Send(buf, dest=dest)
+        elif comm.rank == dest:
+            comm.Recv(buf, source=source)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def floor_worker(a: argparse.Namespace) -> int:
     """The floor of one kill, raw mpi4py under ``mpiexec --with-ft ulfm`` (no elastic, no sentinel):
     the lost rank's bytes from rank 0 to rank 1 at the p2p rate (median of 3, touched buffers),
@@ -162,17 +177,7 @@ def floor_worker(a: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     buf = np.ones((a.state_mb << 20) // 8)
-    out: dict = {"rank": comm.rank}
-    times = []
-    for _ in range(3):
-        comm.Barrier()
-        t = time.perf_counter()
-        if comm.rank == 0:
-            comm.Send(buf, dest=1)
-        elif comm.rank == 1:
-            comm.Recv(buf, source=0)
-        times.append(time.perf_counter() - t)
-    out["p2p_s"] = statistics.median(times)
+    out: dict = {"rank": comm.rank, "p2p_s": pair_seconds(comm, buf, 0, 1)}
     comm.Barrier()
     if comm.rank == 1:
         print(json.dumps({**out, "kill": time.time()}), flush=True)
@@ -220,17 +225,9 @@ def tcp_worker(a: argparse.Namespace) -> int:
     world = elastic.init()
     comm, last = world.mpi.comm, world.size - 1
     buf = np.ones((a.state_mb << 20) // 8)
-    times = []
-    for _ in range(3):
-        comm.Barrier()
-        t = time.perf_counter()
-        if comm.rank == 0:
-            comm.Send(buf, dest=last)
-        elif comm.rank == last:
-            comm.Recv(buf, source=0)
-        times.append(time.perf_counter() - t)
+    seconds = pair_seconds(comm, buf, 0, last)
     if comm.rank == last:
-        world.events.emit("tcp", nbytes=int(buf.nbytes), seconds=statistics.median(times))
+        world.events.emit("tcp", nbytes=int(buf.nbytes), seconds=seconds)
     world.finish()
     return 0
 
