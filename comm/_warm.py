@@ -381,7 +381,7 @@ def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2 or args[0] != "serve":
-        sys.stderr.write("usage: python -m elastic.comm._warm serve SOCKET [PROGRAM.py ...]\n")
+        sys.stderr.write("usage: elastic.comm._warm.main: serve SOCKET [PROGRAM.py ...]\n")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve(args[1], args[2:])

@@ -130,7 +130,10 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
               flush=True)
         notes.append(f"cold starts, as the program asks ({COLD_PRAGMA})")
         return {}
-    serve = [sys.executable, "-m", "elastic.comm._warm", "serve", plan.config.warm_socket, *programs]
+    # Imported, not run with -m: elastic.comm imports the module itself, and runpy would warn of it and
+    # run a second copy of it as __main__.
+    serve = [sys.executable, "-c", "import sys; from elastic.comm._warm import main; sys.exit(main(sys.argv[1:]))",
+             "serve", plan.config.warm_socket, *programs]
     if plan.simulate_nodes and agent is not None:
         commands = {host: [str(agent), host, "exec " + shlex.join(serve)]
                     for host in [h for h, _ in plan.hosts] + list(plan.spare_hosts)}
