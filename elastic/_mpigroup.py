@@ -1,7 +1,7 @@
 """A ``torch.distributed`` process group whose collectives run on the World's ULFM communicator.
 
-Gloo has no abort in torch 2.13: a rank inside one of its collectives whose peer
-left waits out the group's timeout. Here the data plane and the control plane
+Gloo has no abort in torch 2.13 (``elastic.distributed.abort`` shuts its connections down
+instead). Here the data plane and the control plane
 are one communicator, so a peer's death or a revoke ends a collective on every
 rank within ULFM's detection time, as ``ProcessFailure`` (the loop recovers from
 it as from any other), and a stopped peer is bounded by the sentinel's hang

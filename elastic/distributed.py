@@ -13,8 +13,9 @@ DCP storage in the State's replicated store.
 
 ``backend="gloo"`` keeps torch's Gloo, bootstrapped through the World (current rank 0 opens a
 ``TCPStore`` on a free port and broadcasts its address over MPI) and made again after every
-rebuild; its collectives fail at once on a closed connection, but torch 2.13's Gloo has no abort:
-a rank waiting for a peer that left for the recovery leaves at the group's timeout. NCCL
+rebuild; its collectives fail at once on a closed connection, and torch 2.13's Gloo has no abort:
+the ranks that see a failure shut the group's connections down, which ends every other rank's
+wait in it at once (the group's timeout bounds only a collective whose peer is alive). NCCL
 (``backend="nccl"``, the default where CUDA is present) is the GPU path: its watchdog raises in
 the program (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) instead of ending the process, and ``abort``
 aborts its communicators. Written, and tested only where a GPU is (none here: ``tests/test_gpu.py``
@@ -66,8 +67,9 @@ class ProcessGroup:
     (local); a Gloo or NCCL group needs a rendezvous, made where every active rank reads ``group``
     (collective: a promoted spare constructs this while the survivors recover, so not here). Both
     are made again after every rebuild, at ``group``. ``timeout`` (Gloo, NCCL): how long one of their
-    collectives may wait; after a failure, the bound on a Gloo rank waiting for a peer that left
-    for the recovery (and a healthy collective must not wait longer for its slowest rank)."""
+    collectives may wait: the bound on one whose peer is alive but stuck (a healthy collective must
+    not wait longer for its slowest rank). A peer's death ends a Gloo collective on every rank at
+    once: the ranks that see it shut the group's connections down (``abort``)."""
 
     def __init__(self, world: World, backend: str | None = None, timeout: float = 60.0) -> None:
         if backend not in (None, BACKEND, "gloo", "nccl"):
@@ -130,8 +132,12 @@ class ProcessGroup:
         prefixed = dist.PrefixStore(f"elastic/{world.generation}", self._store)
         if self.backend == "nccl":  # a peer's death raises here instead of tearing this process down
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        before = _sockets()
         dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
                                 timeout=self.timeout)
+        if self.backend == "gloo":  # Gloo connects every pair in there: what abort() closes
+            _GLOO_SOCKETS.clear()
+            _GLOO_SOCKETS.update((fd, inode) for fd, inode in _sockets().items() if inode not in before.values())
         world.events.emit("process_group", backend=self.backend, size=world.size, generation=world.generation)
 
 
@@ -304,14 +310,61 @@ def abort() -> None:
     collectives leave it for the recovery instead of waiting. The ``ulfm`` group needs nothing
     (the World's revoke ends its collectives, and a substitution keeps it); NCCL's communicators
     are aborted (torch's ``_abort_process_group``: no wait on a kernel a dead peer never joins);
-    a Gloo group is destroyed (torch 2.13's Gloo has no abort: a peer in its collective leaves at
-    the group's timeout)."""
+    a Gloo group has its connections shut down, then is destroyed."""
     if not dist.is_initialized() or isinstance(dist.group.WORLD, _mpigroup.MPIGroup):
         return
     if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
         dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+        return
+    _shut_gloo_connections()
+    dist.destroy_process_group()
+
+
+# torch 2.13's Gloo has no abort (its abort() and shutdown() leave the connections open), and a
+# group a program still holds (DDP's reducer does) is not freed by destroy_process_group: a peer
+# blocked in a collective with this rank, waiting for a message it will never send, would wait
+# out the group's timeout (10 s a failure in bench_ddp). Shutting the group's sockets down ends
+# its collectives everywhere at once, as a process's exit does ("Connection closed by peer").
+_GLOO_SOCKETS: dict[int, int] = {}  # fd -> inode of the current Gloo group's connections
+
+
+def _sockets() -> dict[int, int]:
+    """This process's open sockets, fd -> inode (Linux's /proc; none elsewhere)."""
+    out = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (the listing's own fd, too)
+            continue
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out
+
+
+def _shut_gloo_connections() -> None:
+    """Shut down (not close: Gloo still owns them) the connections the Gloo group opened, each only
+    if its fd still names the same socket (local). Not its listening socket: Gloo's loop ends the
+    process when accept() fails."""
+    now = _sockets()
+    for fd, inode in _GLOO_SOCKETS.items():
+        if now.get(fd) != inode:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # Gloo closed it meanwhile (it does on a peer's error)
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed or shut already
+            pass
+        finally:
+            sock.detach()
+    _GLOO_SOCKETS.clear()
 
 
 def end_iterations() -> None:

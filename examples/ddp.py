@@ -3,8 +3,8 @@
 The model, data and optimizer of train.py; gradients are all-reduced by DDP
 during the backward pass instead of by ``allreduce_gradients`` after it, on the
 ``ulfm`` process group (the World's communicator: a death ends the all-reduce
-at once) or, ``--backend gloo``, over Gloo (no abort: a survivor waits up to
-``--group-timeout`` in an all-reduce its peer left).
+at once) or, ``--backend gloo``, over Gloo (no abort in torch 2.13: the library shuts the group's
+connections down after a failure, which ends every survivor's wait in an all-reduce at once).
 ``elastic.distributed.DistributedDataParallel`` wraps the model again in each
 new generation; the State holds the model itself, so the roll-back and the
 optimizer keep the same parameters.
@@ -36,7 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--group-timeout", type=float, default=30.0,
-                        help="Gloo: seconds a rank may wait in one of DDP's all-reduces (the bound after a failure)")
+                        help="Gloo: seconds a rank may wait in one of DDP's all-reduces (for a peer alive but stuck)")
     parser.add_argument("--find-unused-parameters", action="store_true", help="torch DDP's option of that name")
     parser.add_argument("--per-step", action="store_true", help="every optimizer step a recovery point")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

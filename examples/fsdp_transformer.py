@@ -5,7 +5,7 @@ the output head, tied to the token embedding with ``--tie``), each block its own
 unit, Adam, gradient clipping, optional bf16 mixed precision, and torch.distributed.checkpoint
 (DCP) for its state: the official example's model and loop. What the port changes:
 ``elastic.init()`` comes before ``init_process_group()``, which then makes the World's ``ulfm``
-group (a death ends its collectives on every rank; Gloo's would wait out their timeout); the loop
+group (a death ends its collectives on every rank, within ULFM's detection time); the loop
 runs inside ``@elastic.run``, counted by ``state.step``; DCP's storage is ``PeerMemory(state)``
 (each rank's shards replicated in its peers' memory) instead of a directory, saved every
 ``--commit-every`` steps; the data are global batches (``elastic.GlobalBatches``), so a

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_bitwise, launch
+from conftest import JOB_TIMEOUT, assert_bitwise, launch
 from elastic.report import final_steps, timeline
 from elastic.comm import ConfigError
 
 DDP = ("examples/ddp.py", "--steps", "40")
-# Over Gloo a group timeout of 3 s bounds how long a rank waits in DDP's all-reduce for a peer that
-# left it for the recovery (Gloo has no abort): each recovery there pays it once.
+# Over Gloo a group timeout of 3 s: the bound were a rank left waiting in DDP's all-reduce for a peer
+# that went to the recovery (Gloo has no abort; the library shuts the group's connections down).
 DDP_GLOO = ("examples/ddp.py", "--steps", "40", "--backend", "gloo", "--group-timeout", "3")
 # Dropout off: the shrink's loss is then comparable with the failure-free run's (the DDP tests
 # check that a replacement gets the lost rank's dropout stream back), and one reference serves all.
@@ -63,12 +63,19 @@ def test_ddp_over_gloo_with_a_spare_is_bitwise(tmp_path, reference):
 
 
 @pytest.mark.fault
-def test_a_kill_inside_the_gloo_all_reduce_is_bitwise(tmp_path, reference):
+def test_a_kill_inside_the_gloo_all_reduce_is_bitwise_and_nobody_waits_out_the_timeout(tmp_path, reference):
     """Over Gloo too the gradients go in one all-reduce laid out by parameter: rank 2 killed inside
-    step 13's, the survivors leave it at the group's timeout (3 s) and the spare's run ends bitwise."""
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@c13", program=DDP_GLOO)
-    assert_bitwise(job, reference(DDP_GLOO), "optimizer_sha256")
-    assert [(e["point"], e["step"]) for e in job.of("inject")] == [("collective", 13)]
+    step 13's, the survivors leave it at once, not at the group's timeout (Gloo has no abort: the
+    first to see the death shut their connections down, which ends the others' wait), and the
+    spare's run ends bitwise."""
+    timeout = 3 * JOB_TIMEOUT  # a survivor waiting it out would be seen, the job would not finish
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "2@c13",
+                 program=DDP_GLOO[:-1] + (str(timeout),))
+    assert_bitwise(job, reference(DDP_GLOO), "optimizer_sha256")  # the timeout changes no bit
+    [kill] = job.of("inject")
+    assert (kill["point"], kill["step"]) == ("collective", 13)
+    seen = {e["logical"]: e["t"] - kill["t"] for e in job.of("failure_seen") if e["logical"] != 2}
+    assert sorted(seen) == [0, 1, 3] and max(seen.values()) < timeout / 10, seen
 
 
 @pytest.mark.fault
