@@ -7,8 +7,7 @@ The same model, data and optimizer (examples/train.py's MLP) trained four ways
 ``elastic.allreduce_gradients`` over MPI after the backward pass); ``ddp``,
 ``examples/ddp.py`` on the ``ulfm`` process group (torch's DDP over the World's
 communicator, one all-reduce per backward); ``ddp-gloo``, the same over Gloo
-(the same one all-reduce, a 10 s group timeout: the bound a rank waits in an
-all-reduce its peer left); ``fsdp``, ``examples/fsdp.py`` (FSDP2's
+(the same one all-reduce, a 10 s group timeout); ``fsdp``, ``examples/fsdp.py`` (FSDP2's
 ``fully_shard`` on the ``ulfm`` group, its shards in the store);
 ``transformer-fsdp``, ``examples/fsdp_transformer.py`` (the official FSDP2
 example's transformer, DCP into peer memory, a spare that rehearsed) and
@@ -19,16 +18,21 @@ the median run counts, so a slow spell of this shared machine does not land on
 one way only), and with a spare, kill -> next step after logical rank 1 is
 SIGKILLed at step ``steps // 2`` in ``--kills`` runs per way (alternated too):
 the median, mean and max, the phases' medians (from ``elastic.report.timeline``),
-and the ratio to ``ddp``'s. ``--json``: one JSON object per row.
+and the ratio to ``ddp``'s. With ``ddp-gloo``, its floor from the same run: Gloo's all-reduce of
+the MLP's gradients alone (the same ranks under torchrun, the median of 300), and the most
+``ddp-gloo`` could reach against ``mpi`` were its step the MPI path's plus that all-reduce.
+``--json``: one JSON object per row.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from elastic.comm.events import read_events
@@ -64,6 +68,46 @@ def kill_run(program: tuple[str, ...], ranks: int, steps: int, run_dir: Path) ->
             **{f"{phase}_ms": rebuild[phase] for phase in PHASES}}
 
 
+def gradient_numel() -> int:
+    """How many numbers examples/train.py's MLP all-reduces per step (its module imports mpi4py: not started)."""
+    import mpi4py
+    mpi4py.rc.initialize = False
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return sum(p.numel() for p in train.make_model(parser.parse_args([])).parameters())
+
+
+def gloo_allreduce_ms(ranks: int, numel: int) -> float:
+    """Gloo's all-reduce of ``numel`` floats alone, ``ranks`` processes under torchrun: the median ms."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           __file__, "--gloo-floor", str(numel)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("gloo_allreduce_ms ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return float(lines[0].split()[1])
+
+
+def _gloo_floor_worker(numel: int, reps: int = 300) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    buf = torch.ones(numel)
+    seconds = []
+    for i in range(reps + 20):  # the first 20 warm the connections up
+        t = time.perf_counter()
+        dist.all_reduce(buf)
+        if i >= 20:
+            seconds.append(time.perf_counter() - t)
+    if dist.get_rank() == 0:
+        print(f"gloo_allreduce_ms {1e3 * statistics.median(seconds):.4f}", flush=True)
+    dist.destroy_process_group()
+
+
 def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: Path) -> list[dict]:
     rates: dict[str, list[float]] = {name: [] for name in ways}
     downs: dict[str, list[dict]] = {name: [] for name in ways}
@@ -81,6 +125,10 @@ def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: 
                       "steps_per_s_runs": rates[name], "down_s": statistics.median(down),
                       "down_mean_s": statistics.fmean(down), "down_max_s": max(down), "down_runs": down,
                       "redone": max(d["redone"] for d in downs[name]), **phases})
+    gloo = next((r for r in table if r["way"] == "ddp-gloo"), None)
+    if gloo is not None:  # its floor: were its step the MPI path's plus Gloo's all-reduce alone
+        gloo["gloo_allreduce_ms"] = gloo_allreduce_ms(ranks, gradient_numel())
+        gloo["ceiling_vs_mpi"] = 1 / (1 + gloo["gloo_allreduce_ms"] / 1e3 * table[0]["steps_per_s"])
     return table
 
 
@@ -92,7 +140,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per way, alternated (median)")
     parser.add_argument("--kills", type=int, default=3, help="runs with a kill per way, alternated (median, mean, max)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--gloo-floor", type=int, help=argparse.SUPPRESS)  # a torchrun worker of gloo_allreduce_ms
     args = parser.parse_args()
+    if args.gloo_floor:
+        _gloo_floor_worker(args.gloo_floor)
+        return 0
     ways = args.ways.split(",")
     if ways[0] != "mpi" or not set(ways) <= set(WAYS):
         parser.error(f"--ways: names of {', '.join(WAYS)}, mpi first (the ratios are to it)")
@@ -115,6 +167,10 @@ def main() -> int:
                           f"{r['down_mean_s']:.3f}", f"{r['down_max_s']:.3f}", f"{r['down_s'] / base_down:.2f}",
                           f"{r['down_s'] / ddp_down:.2f}" if ddp_down else "-"]
                          + [f"{r[f'{p}_ms']:.1f}" for p in PHASES] + [str(r["redone"])]))
+    if "ddp-gloo" in by_way:
+        gloo = by_way["ddp-gloo"]
+        print(f"Gloo's all-reduce of the same gradients alone: {gloo['gloo_allreduce_ms']:.2f} ms a step (the MPI "
+              f"path's whole step: {1e3 / base:.2f} ms); at most {gloo['ceiling_vs_mpi']:.2f}x mpi for ddp-gloo")
     if {"transformer-ddp", "transformer-fsdp"} <= set(by_way):
         same = by_way["transformer-fsdp"]["down_s"] / by_way["transformer-ddp"]["down_s"]
         print(f"FSDP2 against DDP on the same transformer: down {same:.2f}x")
