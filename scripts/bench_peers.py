@@ -1,15 +1,17 @@
 """The project beside what its users would pick instead, on one job: torchft, and torchrun's restart from a checkpoint.
 
     pip install -c constraints.txt -e '.[peers]'   # torchft and its lighthouse (without it: its rows are skipped)
-    python scripts/bench_peers.py [--workers 4] [--steps 200] [--repeat 3] [--kills 3] [--heartbeats 5000,1000] [--json]
+    python scripts/bench_peers.py [--workers 4] [--steps 200] [--repeat 3] [--kills 3] [--heartbeats MS,...] [--json]
 
 Every way trains examples/train.py's job (its MLP, data, Adam, global batch 64 split over the
 workers, ``--steps`` steps, ``--workers`` workers on this machine, one job at a time, the ways'
 runs alternated so a slow spell of the shared machine does not land on one way only):
 
 - ``elastic``: ``mpi`` (examples/train.py, ``allreduce_gradients``) and ``ddp`` (examples/ddp.py, torch DDP
-  on the ``ulfm`` group), each with a spare (``spare``) or without (``shrink``), every step a recovery
-  point (``--per-step``): launched by ``python -m elastic.launch``.
+  on the ``ulfm`` group), each with a spare (``spare``) or without (``shrink``), and ``ddp_gloo-spare``
+  (examples/ddp.py over Gloo, torchrun's way, a 10 s group timeout), every
+  step a recovery point (``--per-step``), and ``ddp_gloo-spare-every5`` committing every 5 steps instead
+  (torchrun's checkpoint interval here): launched by ``python -m elastic.launch``.
 - ``torchft`` (0.2.0) as its README runs it: a lighthouse (``--min_replicas 1 --join_timeout_ms 10000``),
   one replica group of one worker per worker, each under ``torchrun --max-restarts``, a ``Manager``
   (``min_replica_size=1``) with its ``DistributedDataParallel`` and ``Optimizer`` over
@@ -26,9 +28,11 @@ three new steps: a kill after the step's reduction lets that step end, and the r
 next), the median over the runs. ``steps_lost``: steps finished before the kill and trained again
 after it; ``samples_after_kill``: the fewest samples a step trained on after the kill (the global
 batch is 64); ``bitwise``: the final weights are the way's failure-free run's in every kill run
-(``repeatable``: its failure-free runs end on the same weights). Dropout masks are seeded per step
-and worker in the peers' workers, so a restart from a checkpoint can be exact.
-``--json``: one JSON object per row.
+(``repeatable``: its failure-free runs end on the same weights); ``survivors_restarted``: in how many
+kill runs a worker that was not killed started again (torchrun's restart does it by design). Dropout
+masks are seeded per step and worker in the peers' workers, so a restart from a checkpoint could be
+exact. The job ends when worker 0 finishes. ``--json``: one JSON object per row (``kill_runs``, the
+maxima and the medians' runs beside them); the docs' table: docs/measurements.md.
 """
 from __future__ import annotations
 
@@ -123,8 +127,17 @@ class Way:
         return f"{self.tool}/{self.way}"
 
 
+# The project's programs: examples/train.py, and examples/ddp.py on the ulfm group or over Gloo
+# (torchrun's own way).
+PROGRAMS = {"mpi": ("examples/train.py",), "ddp": ("examples/ddp.py",),
+            "ddp_gloo": ("examples/ddp.py", "--backend", "gloo", "--group-timeout", "10")}
+
+
 def elastic_ways() -> list[Way]:
-    return [Way("elastic", f"{path}-{mode}") for path in ("mpi", "ddp") for mode in ("spare", "shrink")]
+    """Every step a recovery point (as torchft's), and ddp_gloo also committing every 5 steps instead
+    (``-every5``: torchrun's checkpoint interval here, its like for like)."""
+    return [Way("elastic", f"{path}-{mode}") for path in ("mpi", "ddp") for mode in ("spare", "shrink")] + \
+        [Way("elastic", "ddp_gloo-spare"), Way("elastic", f"ddp_gloo-spare-every{CHECKPOINT_EVERY}")]
 
 
 def _free_port() -> int:
@@ -167,13 +180,14 @@ class Killer:
 # ---- the project
 def run_elastic(way: Way, workers: int, steps: int, run_dir: Path, kill: str | None, killer: Killer | None) -> Run:
     from elastic.comm.events import read_events
-    path, mode = way.way.split("-")
-    program = "examples/train.py" if path == "mpi" else "examples/ddp.py"
+    path, mode, *every = way.way.split("-")
+    points = [f"--commit-every={every[0].removeprefix('every')}"] if every else ["--per-step"]
     launcher = ["--spares", "1"] if mode == "spare" else ["--rebuild", "shrink"]
     if kill == "boundary":
         launcher += ["--inject", f"1@{steps // 2}"]
     cmd = [sys.executable, "-m", "elastic.launch", "-n", str(workers), "--quiet", "--timeout", str(BOUND),
-           "--run-dir", str(run_dir), *launcher, "--", sys.executable, program, "--steps", str(steps), "--per-step"]
+           "--run-dir", str(run_dir), *launcher, "--", sys.executable, *PROGRAMS[path], "--steps", str(steps),
+           *points]
     with open(run_dir.with_suffix(".out"), "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -442,12 +456,14 @@ def measure(all_ways: list[Way], args: argparse.Namespace, tmp: Path) -> list[di
 
 def row(way: Way, clean: list[Run], kills: dict[str, list[Run]], steps: int) -> dict:
     every = kills["boundary"] + kills["inside"]
+    rates = [steps_per_s(r, steps) for r in clean]
+    boundary, inside = [stall(r) for r in kills["boundary"]], [stall(r) for r in kills["inside"]]
     return {"tool": way.tool, "way": way.way,
-            "steps_per_s": statistics.median(steps_per_s(r, steps) for r in clean),
-            "kill_to_next_s": statistics.median(stall(r) for r in kills["boundary"]),
-            "kill_to_next_max_s": max(stall(r) for r in kills["boundary"]),
-            "kill_inside_step_s": statistics.median(stall(r) for r in kills["inside"]),
-            "kill_inside_step_max_s": max(stall(r) for r in kills["inside"]),
+            "steps_per_s": statistics.median(rates), "steps_per_s_runs": rates,
+            "kill_to_next_s": statistics.median(boundary), "kill_to_next_max_s": max(boundary),
+            "kill_to_next_runs": boundary,
+            "kill_inside_step_s": statistics.median(inside), "kill_inside_step_max_s": max(inside),
+            "kill_inside_step_runs": inside,
             "steps_lost": max(steps_lost(r) for r in every),
             "samples_after_kill": min(samples_after(r) for r in every),
             "bitwise": all(r.digest == clean[0].digest for r in every),
@@ -461,7 +477,7 @@ def print_table(table: list[dict], skipped: list[str], args: argparse.Namespace)
     head = ("tool", "way", "steps/s", "vs elastic", "kill -> next s", "kill inside step s", "vs best torchft",
             "steps lost", "samples after", "bitwise", "repeatable", "survivors restarted")
     print(" | ".join(head))
-    base = next(r["steps_per_s"] for r in table if r["way"] == "mpi-spare")
+    base = next((r["steps_per_s"] for r in table if r["way"] == "mpi-spare"), table[0]["steps_per_s"])
     torchft = [r for r in table if r["tool"] == "torchft"]
     best = min((r["kill_to_next_s"] for r in torchft), default=None)
     for r in table:
@@ -481,9 +497,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per way, alternated (median)")
     parser.add_argument("--kills", type=int, default=3, help="runs per way and kind of kill, alternated (median, max)")
-    parser.add_argument("--heartbeats", default="5000,1000",
-                        help="torchft's lighthouse --heartbeat_timeout_ms, one way each (default: its default, 1 s)")
+    parser.add_argument("--heartbeats", default="5000,1000,500",
+                        help="torchft's lighthouse --heartbeat_timeout_ms, one way each (its default 5000 first)")
     parser.add_argument("--seed", type=int, default=0, help="draws the outside kills' moments")
+    parser.add_argument("--ways", help="only these, comma-separated TOOL/WAY names (e.g. elastic/mpi-spare,"
+                        "torchrun/restart; default every way); ratios are to elastic/mpi-spare where it runs")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     parser.add_argument("--worker", choices=("torchft", "torchrun"), help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -495,6 +513,13 @@ def main() -> int:
     if GLOBAL_BATCH % args.workers or args.steps < 8:
         parser.error(f"--workers must divide the global batch ({GLOBAL_BATCH}); --steps at least 8")
     all_ways, skipped = ways([int(ms) for ms in args.heartbeats.split(",")])
+    if args.ways:
+        only = set(args.ways.split(","))
+        known = {w.name for w in all_ways}
+        unknown = {n for n in only - known if not (skipped and n.startswith("torchft/"))}  # skipped: said below
+        if unknown:
+            parser.error(f"--ways: no way named {', '.join(sorted(unknown))}; of {', '.join(sorted(known))}")
+        all_ways = [w for w in all_ways if w.name in only]
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
         table = measure(all_ways, args, Path(tmp))
     if args.json:
