@@ -10,7 +10,7 @@ from typing import Any, Callable, Generic, Iterable, TypeVar
 
 import numpy as np
 
-from elastic.comm import Config, ConfigError, Group, Outlook, Rebuild, RebuildPolicy, Recoverable, World
+from elastic.comm import Config, ConfigError, Group, Outlook, Rebuild, RebuildPolicy, Recoverable, Role, World
 from elastic.comm import init as _comm_init
 from elastic.recovery import Policy
 
@@ -52,6 +52,10 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
         import torch._dynamo  # noqa: F401
     world = _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ,
                        before_parking=None if rehearse is None else functools.partial(_rehearse, rehearse))
+    if rehearse is not None and world.role is Role.RECOVERED:  # a promoted spare: its place in what it rehearsed
+        from ._rehearsal import take_place
+
+        take_place(world.rank)
     if sys.modules.get("torch") is not None:
         from ._torchrun import serve_init_process_group
 

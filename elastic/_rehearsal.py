@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
+import gc
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -142,23 +143,29 @@ def installed(size: int, rank: int = 0) -> Iterator[None]:
 
 
 def rehearse(size: int, program: Callable[[], None]) -> None:
-    """Run ``program`` inside ``installed(size)``, in a thread of its own, and raise what it
-    raised. DeviceMeshes compare by their ranks, shape and thread, never by this rank's place in
-    them, and torch caches what it derives from one (a parameter's offset in its tensor, DTensor's
-    sharding of each operator's result) under it: made in this thread, the rehearsal's meshes
-    never meet the World's, and what the promoted spare finds done is torch's first use of each
-    operator, not rank 0's offsets."""
-    raised: list[BaseException] = []
+    """Run ``program`` inside ``installed(size)``, in the caller's thread (torch keeps DTensor's
+    sharding decisions in per-thread caches: made in another, the promoted spare would find none),
+    and raise what it raised. Those caches hold the DeviceMeshes the rehearsal made, which compare
+    equal to the promoted spare's whatever each one's place in them: ``take_place(rank)`` gives
+    them the spare's place, or what torch derives from them (a DTensor's coordinate, its shard's
+    offset in a checkpoint) would be rank 0's."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    def run() -> None:
-        try:
-            with installed(size):
-                program()
-        except BaseException as exc:  # handed to the caller's thread
-            raised.append(exc)
+    with installed(size):
+        program()
+    # No mesh of the job's exists yet (a spare parks before torch.distributed is used): every mesh
+    # alive now is the rehearsal's.
+    _MESHES[:] = [weakref.ref(o) for o in gc.get_objects() if type(o) is DeviceMesh]  # isinstance would warn
 
-    thread = threading.Thread(target=run, name="elastic-rehearsal")
-    thread.start()
-    thread.join()
-    if raised:
-        raise raised[0]
+
+_MESHES: list[weakref.ref] = []
+
+
+def take_place(rank: int) -> None:
+    """The promoted spare's place, ``rank``, in every mesh its rehearsal left in torch's caches (local)."""
+    for ref in _MESHES:
+        mesh = ref()
+        if mesh is not None:
+            mesh._rank = rank
+            mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+    _MESHES.clear()

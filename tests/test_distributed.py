@@ -227,11 +227,13 @@ def test_a_dead_peer_in_a_gloo_collective_is_a_process_failure():
 def test_a_spares_rehearsal_warms_fsdp2_without_leaving_rank_0s_place_in_torchs_caches():
     """A spare rehearses as rank 0 of 4 (``elastic.init(rehearse=...)``); promoted, it is rank 1 of
     the same shape. Torch caches DTensor results under meshes that compare equal whatever this
-    rank's place in them: what the rehearsal left must not give rank 1 rank 0's shards."""
+    rank's place in them: the promoted spare's step finds the rehearsal's (warm), and what they
+    left must not give rank 1 rank 0's place (``take_place``, which init() calls on promotion)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from elastic import _rehearsal
     from elastic._rehearsal import installed, rehearse
 
     def shard_and_step() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -248,8 +250,12 @@ def test_a_spares_rehearsal_warms_fsdp2_without_leaving_rank_0s_place_in_torchs_
     rehearse(4, lambda: rehearsed.append(dist.get_rank()))
     rehearse(4, shard_and_step)
     assert rehearsed == [0] and not dist.is_initialized()
+    rehearsals = {id(ref()) for ref in _rehearsal._MESHES}
+    _rehearsal.take_place(1)
     with installed(4, rank=1):
         model, optimizer = shard_and_step()
+        moments = [v for p in model.parameters() for v in optimizer.state[p].values() if v.dim()]
+        assert {id(v.device_mesh) for v in moments} <= rehearsals  # made from the rehearsal's cache entries
         for p in model.parameters():  # this rank's rows, and Adam's moments beside them
             assert p.device_mesh.get_coordinate() == (1,)
             assert p.to_local().shape[0] == p.shape[0] // 4
