@@ -162,7 +162,9 @@ _MESHES: list[weakref.ref] = []
 
 
 def take_place(rank: int) -> None:
-    """The promoted spare's place, ``rank``, in every mesh its rehearsal left in torch's caches (local)."""
+    """The promoted spare's place, ``rank``, in every mesh its rehearsal left in torch's caches (local).
+    Their group they look up by name, the default group's, which the job's default group is named
+    too (torch numbers groups from 0 again once the default one is destroyed)."""
     for ref in _MESHES:
         mesh = ref()
         if mesh is not None:

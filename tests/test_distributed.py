@@ -256,6 +256,7 @@ def test_a_spares_rehearsal_warms_fsdp2_without_leaving_rank_0s_place_in_torchs_
         model, optimizer = shard_and_step()
         moments = [v for p in model.parameters() for v in optimizer.state[p].values() if v.dim()]
         assert {id(v.device_mesh) for v in moments} <= rehearsals  # made from the rehearsal's cache entries
+        assert all(v.device_mesh.get_group() is dist.group.WORLD for v in moments)  # found by name: this one
         for p in model.parameters():  # this rank's rows, and Adam's moments beside them
             assert p.device_mesh.get_coordinate() == (1,)
             assert p.to_local().shape[0] == p.shape[0] // 4
