@@ -330,7 +330,7 @@ _GLOO_SOCKETS: dict[int, int] = {}  # fd -> inode of the current Gloo group's co
 
 def _sockets() -> dict[int, int]:
     """This process's open sockets, fd -> inode (Linux's /proc; none elsewhere)."""
-    out = {}
+    out: dict[int, int] = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
