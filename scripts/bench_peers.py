@@ -503,6 +503,7 @@ def main() -> int:
     parser.add_argument("--ways", help="only these, comma-separated TOOL/WAY names (e.g. elastic/mpi-spare,"
                         "torchrun/restart; default every way); ratios are to elastic/mpi-spare where it runs")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--keep", action="store_true", help="keep every run's events and logs (says where)")
     parser.add_argument("--worker", choices=("torchft", "torchrun"), help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
@@ -520,8 +521,14 @@ def main() -> int:
         if unknown:
             parser.error(f"--ways: no way named {', '.join(sorted(unknown))}; of {', '.join(sorted(known))}")
         all_ways = [w for w in all_ways if w.name in only]
-    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="bench_peers-")
+    try:
         table = measure(all_ways, args, Path(tmp))
+    finally:
+        if args.keep:
+            print(f"[bench_peers] every run's events and logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         for r in table:
             print(json.dumps(r))
