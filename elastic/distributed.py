@@ -135,9 +135,8 @@ class ProcessGroup:
         before = _sockets()
         dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
                                 timeout=self.timeout)
-        if self.backend == "gloo":  # Gloo connects every pair in there: what abort() closes
-            _GLOO_SOCKETS.clear()
-            _GLOO_SOCKETS.update((fd, inode) for fd, inode in _sockets().items() if inode not in before.values())
+        if self.backend == "gloo":  # Gloo connects every pair in there: what abort() shuts down
+            _track_gloo_connections(world, before)
         world.events.emit("process_group", backend=self.backend, size=world.size, generation=world.generation)
 
 
@@ -328,6 +327,37 @@ def abort() -> None:
 _GLOO_SOCKETS: dict[int, int] = {}  # fd -> inode of the current Gloo group's connections
 
 
+def _track_gloo_connections(world: World, before: dict[int, int]) -> None:
+    """The Gloo group's connections (collective): sockets opened by ``init_process_group`` that end
+    at this rank's Gloo listener (accepted) or at a peer's, whose ports the ranks gather. Anything
+    else new (an MPI connection made meanwhile) stays out: shut down, it would look like a death."""
+    new = {fd: inode for fd, inode in _sockets().items() if inode not in before.values()}
+    ends = {fd: e for fd in new if (e := _tcp_ends(fd)) is not None}
+    mine = [local for listening, local, _ in ends.values() if listening]
+    listeners = {port for ports in world.allgather(mine) for port in ports}
+    _GLOO_SOCKETS.clear()
+    _GLOO_SOCKETS.update((fd, new[fd]) for fd, (listening, local, remote) in ends.items()
+                         if not listening and (local in mine or remote in listeners))
+
+
+def _tcp_ends(fd: int) -> tuple[bool, int, int] | None:
+    """(listening, local port, remote port) of a TCP socket (remote 0 when listening); None for
+    another kind, or one closed meanwhile."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        return listening, sock.getsockname()[1], 0 if listening else sock.getpeername()[1]
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
 def _sockets() -> dict[int, int]:
     """This process's open sockets, fd -> inode (Linux's /proc; none elsewhere)."""
     out: dict[int, int] = {}
@@ -347,7 +377,7 @@ def _sockets() -> dict[int, int]:
 
 def _shut_gloo_connections() -> None:
     """Shut down (not close: Gloo still owns them) the connections the Gloo group opened, each only
-    if its fd still names the same socket (local). Not its listening socket: Gloo's loop ends the
+    if its fd still names the same socket (local). Never its listening socket: Gloo's loop ends the
     process when accept() fails."""
     now = _sockets()
     for fd, inode in _GLOO_SOCKETS.items():
@@ -358,8 +388,7 @@ def _shut_gloo_connections() -> None:
         except OSError:  # Gloo closed it meanwhile (it does on a peer's error)
             continue
         try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # closed or shut already
             pass
         finally:
