@@ -76,10 +76,15 @@ class Run:
 
 
 def steps_per_s(run: Run, total: int) -> float:
-    """1 / the median time between worker 0's step ends, over the last three quarters of the run
-    (torchft's first worker up can train alone for a while, everyone starts cold)."""
-    ends = sorted(s.t for s in run.steps if s.worker == 0 and s.step > total // 4)
-    return 1 / statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    """1 / the median time between worker 0's ends of consecutive steps on the whole global batch,
+    over the last three quarters of the run (everyone starts cold; torchft's first worker up trains
+    alone, faster, on its share, until the others join)."""
+    full = {s.step: s.t for s in run.steps if s.worker == 0 and s.step > total // 4 and s.samples == GLOBAL_BATCH}
+    gaps = [t - full[k - 1] for k, t in full.items() if k - 1 in full]
+    if not gaps:
+        raise ValueError("worker 0 finished no two consecutive steps on the whole global batch (a torchft worker up "
+                         "first trains alone until the others join): run more --steps")
+    return 1 / statistics.median(gaps)
 
 
 def _progress(run: Run) -> list[tuple[float, int]]:
@@ -197,7 +202,7 @@ def run_elastic(way: Way, workers: int, steps: int, run_dir: Path, kill: str | N
         except ValueError:  # a line being written
             return []
 
-    def reached() -> bool:
+    def poll_killer() -> bool:
         if killer is not None:
             ev = events()
             killer.poll(max((e["step"] for e in ev if e["event"] == "step"), default=0),
@@ -205,7 +210,7 @@ def run_elastic(way: Way, workers: int, steps: int, run_dir: Path, kill: str | N
         return False
 
     try:
-        _wait([proc], reached, BOUND)
+        _wait([proc], poll_killer, BOUND)
     finally:
         _stop([proc])
     if proc.returncode:
@@ -230,8 +235,8 @@ def _read_logs(run_dir: Path) -> list[dict]:
     return out
 
 
-def _run_peer(cmds: list[tuple[list[str], dict]], run_dir: Path, workers: int, steps: int,
-              killer: Killer | None, extra: list[subprocess.Popen]) -> Run:
+def _run_peer(cmds: list[tuple[list[str], dict]], run_dir: Path, workers: int, killer: Killer | None,
+              extra: list[subprocess.Popen]) -> Run:
     """Start the workers' commands, wait until worker 0 finished (then the others, a while), stop everything."""
     procs = []
     logs = run_dir / "logs"
@@ -299,12 +304,12 @@ def run_torchft(way: Way, workers: int, steps: int, run_dir: Path, kill: str | N
     env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "NUM_REPLICA_GROUPS": str(workers)}
     cmds = [(_torchrun(1) + _worker_cmd("torchft", workers, steps, run_dir, kill), {**env, "REPLICA_GROUP_ID": str(i)})
             for i in range(workers)]
-    return _run_peer(cmds, run_dir, workers, steps, killer, [lighthouse])
+    return _run_peer(cmds, run_dir, workers, killer, [lighthouse])
 
 
 def run_torchrun(way: Way, workers: int, steps: int, run_dir: Path, kill: str | None, killer: Killer | None) -> Run:
     return _run_peer([(_torchrun(workers) + _worker_cmd("torchrun", workers, steps, run_dir, kill), RESTARTABLE)],
-                     run_dir, workers, steps, killer, [])
+                     run_dir, workers, killer, [])
 
 
 RUNNERS = {"elastic": run_elastic, "torchft": run_torchft, "torchrun": run_torchrun}

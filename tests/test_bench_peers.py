@@ -55,3 +55,10 @@ def test_the_samples_after_a_kill_are_the_fewest_a_step_trained_on():
 def test_too_few_steps_after_the_kill_is_an_error_not_a_number():
     with pytest.raises(ValueError, match="new steps after the kill"):
         bench.stall(job({0: [(0.01, 1), (0.02, 2), (0.5, 3)]}, kill_t=0.015))
+
+
+def test_steps_per_s_counts_only_steps_on_the_whole_global_batch():
+    # a worker alone on its 16 samples steps every 2 ms; the whole job, 64 samples, every 10 ms
+    alone = [bench.Step(0.002 * s, s, 0, 16) for s in range(1, 31)]  # most of the run's last three quarters
+    whole = [bench.Step(0.07 + 0.01 * k, s, 0, 64) for k, s in enumerate(range(31, 41))]
+    assert bench.steps_per_s(bench.Run(alone + whole), 40) == pytest.approx(100)
