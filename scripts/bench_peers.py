@@ -526,6 +526,9 @@ def main() -> int:
         if unknown:
             parser.error(f"--ways: no way named {', '.join(sorted(unknown))}; of {', '.join(sorted(known))}")
         all_ways = [w for w in all_ways if w.name in only]
+    # A SIGTERM (timeout's, a batch system's) ends it through the finally blocks that stop each run's
+    # processes: a lighthouse or torchrun left behind would outlive the benchmark.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     tmp = tempfile.mkdtemp(prefix="bench_peers-")
     try:
         table = measure(all_ways, args, Path(tmp))
