@@ -69,14 +69,10 @@ def kill_run(program: tuple[str, ...], ranks: int, steps: int, run_dir: Path) ->
 
 
 def gradient_numel() -> int:
-    """How many numbers examples/train.py's MLP all-reduces per step (its module imports mpi4py: not started)."""
-    import mpi4py
-    mpi4py.rc.initialize = False
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    return sum(p.numel() for p in train.make_model(parser.parse_args([])).parameters())
+    """How many numbers examples/train.py's MLP all-reduces per step."""
+    from _train_job import train_and_defaults
+    train, args = train_and_defaults()
+    return sum(p.numel() for p in train.make_model(args).parameters())
 
 
 def gloo_allreduce_ms(ranks: int, numel: int) -> float:

@@ -316,15 +316,10 @@ RUNNERS = {"elastic": run_elastic, "torchft": run_torchft, "torchrun": run_torch
 
 
 # ---------------------------------------------------------------------------- the peers' workers
-def _job(workers: int):
-    """examples/train.py's data and model, without starting MPI (its module imports mpi4py)."""
-    import mpi4py
-    mpi4py.rc.initialize = False
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    args = parser.parse_args([])
+def _job():
+    """examples/train.py's options, data, model, global batches and digest."""
+    from _train_job import train_and_defaults
+    train, args = train_and_defaults()
     x, y, model = train.setup(args)
     import elastic
     return args, x, y, model, elastic.GlobalBatches(args.samples, GLOBAL_BATCH, args.seed), train.digest
@@ -360,7 +355,7 @@ def worker_torchft(args: argparse.Namespace) -> None:
     import torch
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
     replica = int(os.environ["REPLICA_GROUP_ID"])
-    job, x, y, model, batches, digest = _job(args.workers)
+    job, x, y, model, batches, digest = _job()
     log = _Log(args.run_dir, replica)
     optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
 
@@ -395,7 +390,7 @@ def worker_torchrun(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    job, x, y, model, batches, digest = _job(args.workers)
+    job, x, y, model, batches, digest = _job()
     log = _Log(args.run_dir, rank)
     optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
