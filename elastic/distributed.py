@@ -24,10 +24,11 @@ from the hostname too (``GLOO_SOCKET_IFNAME`` chooses one, as with torchrun).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,7 @@ class ProcessGroup:
         prefixed = dist.PrefixStore(f"elastic/{world.generation}", self._store)
         if self.backend == "nccl":  # a peer's death raises here instead of tearing this process down
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        before = _sockets()
+        before = _sockets() if self.backend == "gloo" else {}
         dist.init_process_group(self.backend, store=prefixed, rank=world.rank, world_size=world.size,
                                 timeout=self.timeout)
         if self.backend == "gloo":  # Gloo connects every pair in there: what abort() shuts down
@@ -340,22 +341,32 @@ def _track_gloo_connections(world: World, before: dict[int, int]) -> None:
                          if not listening and (local in mine or remote in listeners))
 
 
-def _tcp_ends(fd: int) -> tuple[bool, int, int] | None:
-    """(listening, local port, remote port) of a TCP socket (remote 0 when listening); None for
-    another kind, or one closed meanwhile."""
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """The socket on ``fd``, left open after (Gloo owns it); None where it was closed meanwhile
+    (Gloo closes its own on a peer's error)."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
-        return None
+        yield None
+        return
     try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return None
-        listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-        return listening, sock.getsockname()[1], 0 if listening else sock.getpeername()[1]
-    except OSError:
-        return None
+        yield sock
     finally:
         sock.detach()
+
+
+def _tcp_ends(fd: int) -> tuple[bool, int, int] | None:
+    """(listening, local port, remote port) of a TCP socket (remote 0 when listening); None for
+    another kind, or one closed meanwhile."""
+    with _borrowed(fd) as sock:
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        try:
+            listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            return listening, sock.getsockname()[1], 0 if listening else sock.getpeername()[1]
+        except OSError:
+            return None
 
 
 def _sockets() -> dict[int, int]:
@@ -383,16 +394,9 @@ def _shut_gloo_connections() -> None:
     for fd, inode in _GLOO_SOCKETS.items():
         if now.get(fd) != inode:
             continue
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:  # Gloo closed it meanwhile (it does on a peer's error)
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # closed or shut already
-            pass
-        finally:
-            sock.detach()
+        with _borrowed(fd) as sock, contextlib.suppress(OSError):  # OSError: closed or shut already
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
     _GLOO_SOCKETS.clear()
 
 
