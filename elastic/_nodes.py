@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -197,6 +198,33 @@ def slurm_says_dead(scontrol: str) -> bool:
     """Whether ``scontrol show node`` output marks the node unusable."""
     match = re.search(r"\bState=(\S+)", scontrol)
     return match is not None and any(word in match.group(1).upper() for word in _DEAD_STATES)
+
+
+SSH = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]  # never a password prompt, never a long wait
+
+
+def rsh_agent(mca: Iterable[tuple[str, str]]) -> list[str]:
+    """What starts mpiexec's daemons on other hosts outside Slurm: the ``plm_rsh_agent`` given (``--mca``,
+    else ``OMPI_MCA_``/``PRTE_MCA_plm_rsh_agent``; of PRRTE's ``ssh : rsh`` form, the first found
+    here), else ssh."""
+    given = next((v for k, v in mca if k == "plm_rsh_agent"), None) or os.environ.get("OMPI_MCA_plm_rsh_agent") \
+        or os.environ.get("PRTE_MCA_plm_rsh_agent")
+    if not given:
+        return list(SSH)
+    choices = [shlex.split(choice) for choice in given.split(":") if choice.strip()]
+    return next((argv for argv in choices if shutil.which(argv[0])), choices[0] if choices else list(SSH))
+
+
+def on_host(host: str, argv: list[str], *, slurm: bool, agent: list[str], env: Mapping[str, str]) -> list[str]:
+    """``argv`` run on ``host`` the way mpiexec starts its daemons there. In a Slurm allocation a step of
+    its own that overlaps the job's, on the whole node and bound to no core (a rank forked from the
+    process inherits its CPU set); ``env`` goes in srun's environment. Elsewhere the agent (ssh) with
+    one shell command: this directory, ``env``, then ``argv``."""
+    if slurm:
+        return ["srun", "--overlap", "--whole", "--cpu-bind=none", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+                "--kill-on-bad-exit=0", *argv]
+    variables = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(env.items()))
+    return [*agent, host, f"cd {shlex.quote(os.getcwd())} && exec env {variables} {shlex.join(argv)}"]
 
 
 def unreachable(hosts: list[str], *, slurm: bool, agent: list[str], timeout: float = 10.0) -> set[str]:

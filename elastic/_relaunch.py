@@ -11,7 +11,6 @@ processes started (the probe aside).
 from __future__ import annotations
 
 import dataclasses
-import shlex
 
 from elastic.comm import Config
 from elastic.comm.events import read_events
@@ -71,8 +70,7 @@ def _probed_placement(plan: LaunchPlan, previous: _nodes.Placement, live_on: dic
     simulated node's loss is known): a host that does not is lost too, and the plan made again.
     Returns the placement, the Relaunch, the spare nodes left and the hosts the probe found dead."""
     probed: set[str] = set()
-    agent = next((shlex.split(v) for k, v in plan.mca if k == "plm_rsh_agent"),
-                 ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
+    agent = _nodes.rsh_agent(plan.mca)
     while True:
         spares = [h for h in spare_hosts if h not in probed]
         placement, relaunch, left = _nodes.replan(previous, live_on, lost | probed, spares, config, count, generation,
