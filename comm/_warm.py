@@ -2,10 +2,10 @@
 
 A cold rank starts Python and imports numpy, torch, mpi4py and the program's modules: seconds on
 a busy node, paid again by every spawned replacement and every rank of a relaunch. The launcher
-keeps a warm process on its host, or on each simulated node (``serve``: it has imported those, never
-initialised MPI, started no thread), listening on a Unix socket (``Config.warm_socket``,
-``ELASTIC_WARM_SOCKET``; in each node's memory on simulated nodes, so that the same path finds each
-node's own). A
+keeps a warm process on each host of the job (``serve``: it has imported those, never initialised
+MPI, started no thread), listening on a Unix socket (``Config.warm_socket``, ``ELASTIC_WARM_SOCKET``;
+in the host's /dev/shm, so that the same path finds each host's own), until the launcher closes its
+standard input. A
 sentinel that finds the socket asks it for the program instead of starting one (``start``): it
 sends the command, its
 environment, its working directory and its standard streams and page (as file descriptors); the
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import array
 import ast
+import contextlib
 import importlib
 import json
 import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -155,12 +157,20 @@ def serve(path: str, programs: list[str]) -> NoReturn:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through the pipe
+    # The launcher holds the other end of a pipe (or ssh's socket) on standard input: its end, or the
+    # launcher's, or the connection's to this host, ends this process, which outlives each mpiexec.
+    launcher = [0] if stat.S_ISFIFO(os.fstat(0).st_mode) or stat.S_ISSOCK(os.fstat(0).st_mode) else []
     print(f"[warm] ready at {path}", flush=True)
     while True:
         try:
-            readable, _, _ = select.select([listener.fileno(), wake_r], [], [])
+            readable, _, _ = select.select([listener.fileno(), wake_r, *launcher], [], [])
         except InterruptedError:
             continue
+        if launcher and 0 in readable and not os.read(0, 512):
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os._exit(0)
         if wake_r in readable:
             os.read(wake_r, 512)
             _reap(children)

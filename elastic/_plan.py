@@ -68,7 +68,7 @@ class LaunchPlan:
     mca: tuple[tuple[str, str], ...] = ()
     mpiexec: str | None = None
     quiet: bool = False
-    warm: bool = True                         # a warm process on this machine forks the ranks (``--cold``: not)
+    warm: bool = True                         # a warm process on each host forks its ranks (``--cold``: not)
     allow_unfired: bool = False               # an injection reached but never fired is not the job's failure
 
 
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="an injection whose step the loop passed without firing it is a warning, not exit 1")
     parser.add_argument("--cold", action="store_true",
                         help="start every rank cold (a new interpreter importing everything) instead of forking it "
-                             "from this machine's warm process")
+                             "from its host's warm process")
     parser.add_argument("--straggler", metavar="FACTOR:STEPS",
                         help="evict a rank whose own work per step is FACTOR times the median's for STEPS steps "
                              "in a row, to a spare or by the rebuild modes, e.g. 3:5 (default: off)")
@@ -175,10 +175,10 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     placement = _nodes.Placement.first(hosts or [(socket.gethostname(), nprocs + raw.spares)], nprocs, raw.spares)
     run_dir = raw.run_dir if raw.run_dir is not None else Path("elastic-run") / time.strftime("%Y%m%d-%H%M%S")
     job = f"elastic-{uuid.uuid4().hex[:12]}"
-    # A warm process on this machine, or on each of its simulated nodes (the socket then in each node's
-    # own /dev/shm: the same path finds the node's); other hosts start their ranks cold.
-    warm = not raw.cold and (bool(raw.simulate_nodes) or {h for h, _ in hosts} <= {socket.gethostname(), "localhost"})
-    warm_socket = (f"/dev/shm/{job}.warm" if raw.simulate_nodes else f"/tmp/{job}.warm") if warm else None
+    # A warm process on each host (simulated nodes too), its socket in the host's own /dev/shm: the same
+    # path finds each host's.
+    warm = not raw.cold
+    warm_socket = f"/dev/shm/{job}.warm" if warm else None
     try:
         inject = _nodes.node_injections(raw.inject, placement.ranks_on(), spare_hosts) if raw.simulate_nodes \
             else raw.inject

@@ -36,9 +36,9 @@ import dataclasses
 import json
 import os
 import select
-import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     if not warm:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
-        _launch_until_done(plan, agent, memory, done, got, {host: proc.pid for host, proc in warm.items()})
+        # The pids of those on this machine (simulated nodes' too), whose children are ranks; a remote
+        # one's process here is the ssh or srun that carries it.
+        here = {host: proc.pid for host, proc in warm.items() if proc.args[0] == sys.executable or plan.simulate_nodes}
+        _launch_until_done(plan, agent, memory, done, got, here)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for proc in warm.values():
-            proc.kill()
-            proc.wait()
-        if warm and not plan.simulate_nodes:  # a node's socket goes with the node's memory, below
+        _end_warm(list(warm.values()))
+        if warm and not plan.simulate_nodes:  # this machine's (a simulated node's goes with its memory, below)
             Path(plan.config.warm_socket or "").unlink(missing_ok=True)
         if plan.simulate_nodes:
             shutil.rmtree(memory, ignore_errors=True)
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[str, subprocess.Popen[str]]:
     """The warm processes (``elastic.comm._warm``): each imports what the ranks import, then forks
     each rank of its host, a spawned replacement or a relaunched rank as well, in milliseconds
-    instead of an interpreter's start. One on this machine; on simulated nodes one on each node, the
-    spare nodes too, started through the node agent as mpiexec starts the node's daemon (the node's
-    hostname, its socket in the node's memory; killed with that memory when the node is lost), so
-    that a relaunch forks warm on whichever nodes it uses. Waits until they serve (what one cold start
-    takes); a host whose warm process cannot serve gets a note, and its ranks start cold. By host."""
+    instead of an interpreter's start. One on each host of the job, the spare nodes too, started on
+    this machine directly and elsewhere through what starts mpiexec's daemons there (``_nodes.on_host``:
+    srun in a Slurm allocation, else the ssh agent; the node agent on simulated nodes, which kills a
+    lost node's with its memory), so that a relaunch forks warm on whichever hosts it uses. Each reads
+    its standard input until the launcher closes it (``_warm.serve``): it ends with the job, also
+    across ssh. Waits until they serve (what one cold start takes); a host whose warm process cannot
+    serve gets a note, and its ranks start cold. By host."""
     if not plan.config.warm_socket:
         return {}
     programs = [plan.command[1]] if len(plan.command) > 1 and plan.command[1].endswith(".py") else []
@@ -134,14 +137,21 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
     # run a second copy of it as __main__.
     serve = [sys.executable, "-c", "import sys; from elastic.comm._warm import main; sys.exit(main(sys.argv[1:]))",
              "serve", plan.config.warm_socket, *programs]
-    if plan.simulate_nodes and agent is not None:
-        commands = {host: [str(agent), host, "exec " + shlex.join(serve)]
-                    for host in [h for h, _ in plan.hosts] + list(plan.spare_hosts)}
-    else:
-        commands = {"this host": serve}
-    env = {**os.environ, **job_env(plan.config, plan.training, omp_threads(plan))}
-    procs = {host: subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
-             for host, command in commands.items()}  # their own sessions: no ^C
+    env = job_env(plan.config, plan.training, omp_threads(plan))
+    env.update({name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ})
+    commands = {}
+    for host in [h for h, _ in plan.hosts] + list(plan.spare_hosts):
+        if plan.simulate_nodes and agent is not None:
+            commands[host] = _nodes.on_host(host, serve, slurm=False, agent=[str(agent)], env=env)
+        elif host in (socket.gethostname(), "localhost"):
+            if serve not in commands.values():  # this machine under two names: one warm process
+                commands[host] = serve
+        else:
+            commands[host] = _nodes.on_host(host, serve, slurm=plan.slurm, agent=_nodes.rsh_agent(plan.mca), env=env)
+    commands = commands or {"this host": serve}
+    procs = {host: subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True, env={**os.environ, **env})  # own sessions: no ^C
+             for host, command in commands.items()}
     deadline = time.monotonic() + WARM_START_SECONDS
     serving = {}
     for host, proc in procs.items():
@@ -153,16 +163,31 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
         if ready.startswith("[warm] ready"):
             serving[host] = proc
             continue
-        proc.kill()
-        proc.wait()
+        _end_warm([proc])
         where = "every rank" if len(procs) == 1 else f"the ranks on {host}"
         notes.append(f"no warm process on {host} ({ready.strip() or 'it ended'}): {where} started cold")
         print(f"[launch] {notes[-1]}", flush=True)
     return serving
 
 
+def _end_warm(procs: list[subprocess.Popen[str]]) -> None:
+    """End warm processes: their standard input closed (a remote one ends on that, and removes its
+    socket), then killed where still there after a moment (the ssh or srun that carried it)."""
+    for proc in procs:
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+    deadline = time.monotonic() + WARM_END_SECONDS
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        proc.kill()
+        proc.wait()
+
+
 COLD_PRAGMA = "# elastic: cold-start"  # a program that must not be forked from a warm process says so
 WARM_START_SECONDS = 120.0  # what one cold start of a rank takes, and more
+WARM_END_SECONDS = 5.0  # for the warm processes to end on their closed input, ssh's round trip included
 
 
 def _asks_cold(program: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,41 @@ def test_a_spare_on_another_node_replaces_a_killed_rank_bitwise(tmp_path, refere
     assert [o["host"] for o in job.outcomes if o["status"] == "injected-kill"] == ["node0"]
     assert "--mca coll ^han" in job.output  # the flat collectives: coll/han crashes after a failure
     assert job.summary["relaunches"] == 0 and not job.of("store_attached")  # tier 1 did it, in process
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+def test_hosts_reached_through_the_users_agent_fork_their_ranks_from_their_own_warm_process(tmp_path, reference):
+    """Hosts given as mpirun takes them (``--host``) and the agent that reaches them
+    (``plm_rsh_agent``, here one that starts fake nodes as ssh would: its own process in between):
+    each host gets its warm process through that agent, every rank (the spare on node1 that takes
+    logical 3's place too) is forked by its own host's, never by the launcher's or another host's,
+    and the run is bitwise. At the end each warm process has ended on its closed input, though the
+    launcher killed only the agent's process, as it can only kill the ssh that carries a remote one."""
+    node_agent = _nodes.write_agent(tmp_path, tmp_path / "memory")
+    agent = tmp_path / "ssh.sh"
+    agent.write_text(f'#!/bin/sh\n"{node_agent}" "$@"\n')  # not exec: like ssh, a process of its own in between
+    agent.chmod(0o700)
+    job = launch(tmp_path, 4, "--host", "node0:2,node1:3", "--mca", "plm_rsh_agent", str(agent), "--spares", "1",
+                 "--inject", "3@13", program=TRAIN)
+    assert_bitwise(job, reference(TRAIN), "optimizer_sha256")
+    hosts = {o["logical"]: o["host"] for o in job.outcomes if o["status"] == "finished"}
+    assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}, job.outcomes
+    assert [o["host"] for o in job.outcomes if o["status"] == "injected-kill"] == ["node1"]
+    host_of = {o["pid"]: o["host"] for o in job.outcomes}
+    forked = [(host_of[e["pid"]], e["warm"], e["warm_host"]) for e in job.of("started")]
+    assert sorted(forked) == [("node0", True, "node0")] * 2 + [("node1", True, "node1")] * 3, forked
+    socket_path = f"/dev/shm/{job.summary['job']}.warm".encode()
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and socket_path in _cmdline(p)]
+    assert not left, [_cmdline(p) for p in left]
+    assert "left behind by the job" not in job.output  # none was killed as a leftover of mpiexec's runs either
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.mark.fault
@@ -421,3 +457,25 @@ def test_a_host_that_does_not_answer_the_probe_is_lost(tmp_path):
     assert _nodes.slurm_says_dead("NodeName=n3 Arch=x86_64\n   State=DOWN+NOT_RESPONDING ThreadsPerCore=1")
     assert _nodes.slurm_says_dead("   State=IDLE+DRAIN ")
     assert not _nodes.slurm_says_dead("   State=ALLOCATED ThreadsPerCore=1")
+
+
+def test_a_warm_process_reaches_a_host_the_way_mpiexecs_daemons_do(monkeypatch, tmp_path):
+    """Outside Slurm: the ``plm_rsh_agent`` given (``--mca`` first, then the environment; of PRRTE's
+    ``ssh : rsh`` form the first one found), else ssh that never prompts, with one shell command that
+    carries the directory and the environment; inside an allocation an srun step that overlaps the job's
+    on the whole node, bound to no core."""
+    for name in ("OMPI_MCA_plm_rsh_agent", "PRTE_MCA_plm_rsh_agent"):
+        monkeypatch.delenv(name, raising=False)
+    assert _nodes.rsh_agent(()) == _nodes.SSH
+    monkeypatch.setenv("PRTE_MCA_plm_rsh_agent", "no-such-agent -q : sh -e")
+    assert _nodes.rsh_agent(()) == ["sh", "-e"]
+    assert _nodes.rsh_agent([("plm_rsh_agent", "/opt/my ssh")]) == ["/opt/my", "ssh"]
+    monkeypatch.chdir(tmp_path)
+    argv = _nodes.on_host("n7", ["sh", "-c", 'pwd; echo "$A/$B"'], slurm=False, agent=["ssh", "-x"],
+                          env={"B": "x y", "A": "1"})
+    assert argv[:3] == ["ssh", "-x", "n7"] and len(argv) == 4  # ssh runs one line in the host's shell
+    ran = subprocess.run(["sh", "-c", argv[3]], capture_output=True, text=True, timeout=30, cwd="/")
+    assert ran.stdout.splitlines() == [str(tmp_path), "1/x y"], ran
+    srun = _nodes.on_host("n7", ["python", "x.py"], slurm=True, agent=["ssh"], env={"A": "1"})
+    assert srun[0] == "srun" and srun[-2:] == ["python", "x.py"] and "--nodelist=n7" in srun
+    assert {"--overlap", "--whole", "--cpu-bind=none", "--ntasks=1"} <= set(srun)
