@@ -94,13 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if threads is not None and not plan.quiet:
         print(f"[launch] OMP_NUM_THREADS={threads} for each process ({os.cpu_count()} cores here, "
               f"{plan.nprocs + plan.spares} processes; set OMP_NUM_THREADS to choose)", flush=True)
-    warm = _start_warm(plan, agent, done.notes)
+    warm, here = _start_warm(plan, agent, done.notes)
     if not warm:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
-        # The pids of those on this machine (simulated nodes' too), whose children are ranks; a remote
-        # one's process here is the ssh or srun that carries it.
-        here = {host: proc.pid for host, proc in warm.items() if proc.args[0] == sys.executable or plan.simulate_nodes}
         _launch_until_done(plan, agent, memory, done, got, here)
     finally:
         for sig, handler in previous.items():
@@ -115,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     return _verdict(plan, done, got)
 
 
-def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[str, subprocess.Popen[str]]:
+def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]
+                ) -> tuple[dict[str, subprocess.Popen[str]], dict[str, int]]:
     """The warm processes (``elastic.comm._warm``): each imports what the ranks import, then forks
     each rank of its host, a spawned replacement or a relaunched rank as well, in milliseconds
     instead of an interpreter's start. One on each host of the job, the spare nodes too, started on
@@ -124,15 +122,17 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
     lost node's with its memory), so that a relaunch forks warm on whichever hosts it uses. Each reads
     its standard input until the launcher closes it (``_warm.serve``): it ends with the job, also
     across ssh. Waits until they serve (what one cold start takes); a host whose warm process cannot
-    serve gets a note, and its ranks start cold. By host."""
+    serve gets a note, and its ranks start cold. Returns them by host, and the pids of those that run
+    on this machine (simulated nodes' too), whose children are ranks (a remote one's process here is
+    the ssh or srun that carries it)."""
     if not plan.config.warm_socket:
-        return {}
+        return {}, {}
     programs = [plan.command[1]] if len(plan.command) > 1 and plan.command[1].endswith(".py") else []
     if any(_asks_cold(program) for program in programs):
         print(f"[launch] {programs[0]} asks for cold starts ({COLD_PRAGMA}): every rank starts a new interpreter",
               flush=True)
         notes.append(f"cold starts, as the program asks ({COLD_PRAGMA})")
-        return {}
+        return {}, {}
     # Imported, not run with -m: elastic.comm imports the module itself, and runpy would warn of it and
     # run a second copy of it as __main__.
     serve = [sys.executable, "-c", "import sys; from elastic.comm._warm import main; sys.exit(main(sys.argv[1:]))",
@@ -163,11 +163,12 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]) -> dict[
         if ready.startswith("[warm] ready"):
             serving[host] = proc
             continue
-        _end_warm([proc])
+        proc.kill()  # (one stuck in its imports reads no input)
+        proc.wait()
         where = "every rank" if len(procs) == 1 else f"the ranks on {host}"
         notes.append(f"no warm process on {host} ({ready.strip() or 'it ended'}): {where} started cold")
         print(f"[launch] {notes[-1]}", flush=True)
-    return serving
+    return serving, {host: proc.pid for host, proc in serving.items() if commands[host] is serve or plan.simulate_nodes}
 
 
 def _end_warm(procs: list[subprocess.Popen[str]]) -> None:
