@@ -22,8 +22,10 @@ commit. Until then a second failure of the same data is not survivable: the
 ``committed`` event marks its end.
 
 Memory per rank, replication 2: the roll-back payload and the copies held for
-others (2x the state, beside the state itself: 3x) between commits; during a
-commit the new copies sit beside the old ones (4x).
+others (2x the state, beside the state itself: 3x); during a commit the new
+copies sit beside the old ones (4x), and in process memory the retired copies'
+buffer is kept for the next commit's (4x between commits too: the room a
+commit needs anyway, and already touched).
 
 Where the versions live is a ``Backing`` (``_backing``): in the process, with
 or without a roll-back copy, or, tier 2 (``Config.node_store``), in files in
