@@ -6,13 +6,13 @@ the fields, then their bytes) cut into chunks. Every chunk is copied to
 (``_placement``): no rank builds or exchanges a table of everybody's chunks.
 
 A commit is two-phase and moves bytes once: the pieces leave straight from the
-caller's arrays (no packing copy first), each holder checksums what it
-received (XXH3, in a thread that runs on while the commit and the next steps
-do: xxhash lets go of the GIL), then a ULFM vote (uniform: it succeeds
+caller's arrays (no packing copy first), a ULFM vote (uniform: it succeeds
 everywhere or fails everywhere) makes the version current, and only then does
 each rank copy its arrays into its own roll-back payload, in the buffer of the
-version it retires. A failure anywhere in a commit leaves the last agreed
-version on every survivor.
+version it retires, and each holder checksum what it received (XXH3, in a
+thread that runs on while the next steps do: xxhash lets go of the GIL; started
+before the vote, it took the cores of peers still in their exchange). A failure
+anywhere in a commit leaves the last agreed version on every survivor.
 
 Recovery fetches each dead rank's payload once, from many holders, into the
 rank that takes it over (a replacement, or a survivor after a shrink), and
@@ -320,6 +320,7 @@ class ReplicatedStore:
             segments, replicated, bad_input = [], 0, str(exc)
         total = sum(s.nbytes for s in segments)
         error: Exception | None = None
+        hash_later = False
         try:  # phase one; errors are recorded, then every rank votes (never an Agree half the ranks skip)
             # Steady (every rank's payload the size it was at the last commit of this generation): the
             # holders know what comes, and the version check needs no announcement after it.
@@ -343,11 +344,10 @@ class ReplicatedStore:
             t1 = time.perf_counter()
             self.bytes_moved = world.exchange(outgoing, incoming, point="commit", step=version)
             t2 = time.perf_counter()
-            if self._backing.checksums_first or buffer.nbytes <= _INLINE_SUMS:
+            hash_later = not self._backing.checksums_first and buffer.nbytes > _INLINE_SUMS
+            if not hash_later:
                 for h in held.values():  # (a few kilobytes, a per-step point's: cheaper than a thread)
                     h.sums = self._sums(h.data)
-            else:
-                self._hash_later(held)  # the holder checks what it keeps, off everyone's path
             self._backing.stage(version, segments, total, lambda payload: self._manifest(
                 layout, sizes, payload, held, buffer))
             t3 = time.perf_counter()
@@ -367,10 +367,13 @@ class ReplicatedStore:
         payload = self._backing.keep(version, segments, total, old.payloads.get(me) if old else None,
                                      old.buffer if old else None, lambda: world.job.host_peers)
         self._current = _Version(version, layout, sizes, {me: payload}, held, True, buffer)
+        if hash_later:  # the holder checks what it keeps, off everyone's path: from here, not while the
+            self._hash_later(held)  # peers' exchanges still run (it took their cores: the vote waited)
+        t5 = time.perf_counter()
         world.job.note_commit()
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
                           durations={"prepare": t1 - t0, "exchange": t2 - t1, "checksum": t3 - t2,
-                                     "vote": t4 - t3, "pack": time.perf_counter() - t4},
+                                     "vote": t4 - t3, "pack": t5 - t4},
                           payload_bytes=int(total), replicated_bytes=int(replicated),
                           held_chunks=sum(h.piece.count for h in held.values()),
                           replicated=True)
