@@ -253,8 +253,9 @@ class ReplicatedStore:
         if self._current is not None:
             self._current.payloads.update(fetched)  # adopted after a shrink
             self._current.nbytes.update({o: nbytes[o] for o in fetched})
-        world.events.emit("store_recovered", version=number, dead=dead, bytes_moved=self.bytes_moved,
-                          durations=self.last_recovery, replicated=not dead, given_up=self.given_up)
+        world.events.emit("store_recovered", version=number, dead=dead, receivers=receiver,
+                          bytes_moved=self.bytes_moved, durations=self.last_recovery, replicated=not dead,
+                          given_up=self.given_up)
         return True
 
     def fall_back(self) -> int | None:

@@ -222,12 +222,14 @@ def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
     replacement or adopter; the copies it held for others come back only with the next commit
     after it (the store's exposure window). So victims form one group until a commit completes in
     a later generation than theirs, and a chunk is lost when its owner died without its state
-    having been recovered since, and every holder of a copy is in the owner's group."""
+    having been recovered since, or recovered by an adopter (a shrink) that died after it, and
+    every holder of a copy is in the owner's group."""
     events = read_events(run_dir)
     fired = sorted((e for e in events if e["event"] == "inject" and e["point"] != "park" and e["action"] != "nan"),
                    key=lambda e: e["t"])  # a NaN kills nobody: every rank rolls back
     commits = [(e["t"], e["gen"]) for e in events if e["event"] == "committed"]
-    recovered = [(e["t"], set(e["dead"])) for e in events if e["event"] == "store_recovered"]
+    recovered = [(e["t"], {int(o): r for o, r in e.get("receivers", {}).items()}) for e in events
+                 if e["event"] == "store_recovered"]  # (when, dead owner -> the logical rank that took it)
     groups: list[list[dict]] = []
     for e in fired:
         last = groups[-1][-1] if groups else None
@@ -238,12 +240,19 @@ def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
     placement = place_replicas(list(range(RANKS)), {r: "host" for r in range(RANKS)}, scenario.replication,
                                {r: chunks for r in range(RANKS)})
     for group in groups:
-        ranks, end = {e["rank"] for e in group}, group[-1]["t"]
-        unrecovered = {e["rank"] for e in group
-                       if not any(e["t"] < t <= end and e["rank"] in dead for t, dead in recovered)}
+        ranks = {e["rank"] for e in group}
+        unrecovered = {e["rank"] for e in group if not _recovered(e, group, recovered)}
         if any(holders[0] in unrecovered and set(holders[1:]) <= ranks for holders in placement.values()):
             return True
     return False
+
+
+def _recovered(victim: dict, group: list[dict], recovered: list[tuple[float, dict[int, int]]]) -> bool:
+    """The victim's state was recovered before its group ended, by its replacement or by an adopter
+    (a shrink) that did not die after taking it."""
+    return any(victim["t"] < t <= group[-1]["t"] and victim["rank"] in took and not any(
+        other["rank"] == took[victim["rank"]] != victim["rank"] and other["t"] > t for other in group)
+        for t, took in recovered)
 
 
 def twins_lost(run_dir: Path) -> bool:
