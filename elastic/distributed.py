@@ -332,7 +332,8 @@ def _track_gloo_connections(world: World, before: dict[int, int]) -> None:
     """The Gloo group's connections (collective): sockets opened by ``init_process_group`` that end
     at this rank's Gloo listener (accepted) or at a peer's, whose ports the ranks gather. Anything
     else new (an MPI connection made meanwhile) stays out: shut down, it would look like a death."""
-    new = {fd: inode for fd, inode in _sockets().items() if inode not in before.values()}
+    known = set(before.values())  # (a dict's values() is searched one by one: a full mesh's n sockets, n times)
+    new = {fd: inode for fd, inode in _sockets().items() if inode not in known}
     ends = {fd: e for fd in new if (e := _tcp_ends(fd)) is not None}
     mine = [local for listening, local, _ in ends.values() if listening]
     listeners = {port for ports in world.allgather(mine) for port in ports}
