@@ -16,7 +16,7 @@ rest of the configuration stay behind it: of the settings, the layers above see
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Protocol, Sequence
 
 from ._errors import Unrecoverable, agreed
 from ._ranks import CurrentRank, LogicalRank, Role
@@ -25,7 +25,7 @@ from .faults import Injection
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._policy import Outlook
+    from ._policy import Decision, Outlook
     from ._rebuild import Rebuild
 
 
@@ -50,7 +50,10 @@ class EventSink(Protocol):
 
 
 class Job(Protocol):
-    """The job as a rank knows it (local, no communication)."""
+    """The job as a rank knows it (local, no communication). ``rebuild_decision``: what the job's
+    own rebuild policy would decide if the logical ranks ``lost`` died now, its modes kept only
+    where the fill rule places every one of them (``would_fill``): the one rule for "can this
+    place be filled", asked before a live rank is evicted."""
 
     @property
     def initial_size(self) -> int: ...
@@ -76,6 +79,7 @@ class Job(Protocol):
     @property
     def spares(self) -> int: ...
     def data_fault(self, action: str) -> Injection | None: ...
+    def rebuild_decision(self, lost: Sequence[int], outlook: Outlook) -> Decision: ...
     @property
     def ended(self) -> bool: ...
     @property

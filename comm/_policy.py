@@ -38,6 +38,14 @@ class RebuildContext:
     active_ranks: tuple[int, ...] = ()          # the live active ranks' logical ranks, sorted
     initial_size: int = 0                       # the job's logical ranks at the start (0: not told)
 
+    @classmethod
+    def of(cls, lost: Sequence[int], active: Sequence[int], spares: int, outlook: Outlook = Outlook(),
+           initial_size: int = 0, unavailable: frozenset[str] = frozenset()) -> RebuildContext:
+        """The context of losing the logical ranks ``lost`` while ``active`` live on (the one way the
+        real rebuild, a straggler's eviction and the simulated job all build it)."""
+        return cls(len(lost), spares, len(active), outlook, unavailable, tuple(sorted(int(r) for r in lost)),
+                   tuple(sorted(int(r) for r in active)), initial_size)
+
 
 @message
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,28 @@ class FixedOrder:
             return Decision((), f"{rest} of {context.lost} lost rank(s) cannot be filled: {why}{failed}; "
                                 "add spares (--spares), allow 'spawn', or lower min_size")
         return Decision(tuple(used), f"configured order {','.join(self.modes)}{failed}")
+
+
+def asked(policy: RebuildPolicy, context: RebuildContext) -> Decision:
+    """``policy``'s decision for ``context`` whatever the policy does (local): one that raises is a
+    decision to stop, naming why."""
+    try:
+        got = policy.decide(context)
+        return Decision(tuple(str(m) for m in got.modes), str(got.reason))
+    except Exception as exc:
+        return Decision((), f"the rebuild policy failed: {exc!r}")
+
+
+def would_fill(policy: RebuildPolicy, context: RebuildContext) -> Decision:
+    """What a rebuild would do about ``context``'s loss (local): ``policy``'s decision when its
+    modes place every lost rank by the fill rule, else a decision with no modes and the policy's
+    reason. Asked before evicting a live rank (a straggler): only a place the rebuild can fill is
+    emptied."""
+    decision = asked(policy, context)
+    placed = {r for _, take in fill(decision.modes, context.lost_ranks, context.spares) for r in take}
+    if not decision.modes or set(context.lost_ranks) - placed:
+        return Decision((), decision.reason)
+    return decision
 
 
 def fill(modes: Sequence[str], pending: Sequence[int], spares: int) -> list[tuple[str, list[int]]]:

@@ -28,7 +28,7 @@ from ._errors import ConfigError, ProcessFailure, Unrecoverable, agreed, transla
 from ._config import Config
 from .events import REBUILD_PHASES, EventLog, read_cause
 from ._membership import Members, Proc
-from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy, fill
+from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy, asked, fill
 from ._ranks import SPARE, LogicalRank, Role
 from ._watchdog import Watchdog
 from .wire import message
@@ -270,18 +270,12 @@ class Rebuilder:
 
     def _decide(self, members: Members, pending: list[int], unavailable: frozenset[str]) -> Decision:
         """The policy's decision on universe rank 0, broadcast so every process executes the same one."""
-        answer, lost = None, len(pending)
-        if members.comm.Get_rank() == 0:
-            context = RebuildContext(lost, members.spares(), members.actives(), self.outlook, unavailable,
-                                     tuple(int(r) for r in pending), tuple(int(r) for r in members.logical_ranks()),
-                                     self.world._initial_size)
-            try:  # whatever the policy does, every process must get one decision
-                got = self.world._policy.decide(context)
-                answer = Decision(tuple(str(m) for m in got.modes), str(got.reason))
-            except Exception as exc:
-                answer = Decision((), f"the rebuild policy failed: {exc!r}")
+        answer = None
+        if members.comm.Get_rank() == 0:  # whatever the policy does, every process must get one decision
+            answer = asked(self.world._policy, RebuildContext.of(pending, members.logical_ranks(), members.spares(),
+                                                                 self.outlook, self.world._initial_size, unavailable))
         decision: Decision = bcast(members.comm, answer, 0)
-        self.world.events.emit("decision", modes=decision.modes, reason=decision.reason, lost=lost)
+        self.world.events.emit("decision", modes=decision.modes, reason=decision.reason, lost=len(pending))
         modes = tuple(m for m in decision.modes if m not in unavailable)
         if not modes:
             self._stop(members, f"cannot rebuild: {decision.reason}")

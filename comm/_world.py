@@ -37,7 +37,7 @@ from .events import EventLog
 from .faults import QUIET_ACTIONS, FaultInjector, Injection
 from ._lifecycle import Lifecycle
 from ._membership import Members
-from ._policy import Outlook, RebuildPolicy
+from ._policy import Decision, Outlook, RebuildContext, RebuildPolicy, would_fill
 from ._ranks import SPARE, CurrentRank, LogicalRank, Role
 from ._rebuild import Generation, Rebuild, Rebuilder, stop_a_programming_error, stop_a_repeated_error
 from ._watchdog import Watchdog
@@ -461,6 +461,14 @@ class WorldJob:
         """Seconds this process has spent in calls on the active ranks (collectives, data plane):
         a step's time less what it waited is its own work (the straggler detector's measure)."""
         return self._world._waited
+
+    def rebuild_decision(self, lost: Sequence[int], outlook: Outlook) -> Decision:
+        """What the rebuild would decide if the logical ranks ``lost`` died now: this job's policy,
+        asked as the rebuild asks it, its modes kept where the fill rule places every lost rank."""
+        world, gone = self._world, {int(r) for r in lost}
+        active = [int(r) for r in world.logical_ranks if int(r) not in gone]
+        return would_fill(world._policy, RebuildContext.of(lost, active, world._members.spares(), outlook,
+                                                           world._initial_size))
 
     def data_fault(self, action: str) -> Injection | None:
         """An injected data fault (``nan``, ``bitflip``, ``slow``) armed for this process, if any

@@ -9,14 +9,14 @@ tell an agreed error (raised alike on every rank) from a local one, a
 ``Group``'s first survivor (for anything that implements the contract), and the
 settings table's rows (``Setting``: the training layer declares its own), with
 comm's (``CONFIG_ROWS``) for the launcher's options, and the rebuild's fill rule
-(``fill``: a simulated job follows the real one's). Importing it starts no MPI.
+(``fill``, ``asked``, ``would_fill``: a simulated job follows the real one's). Importing it starts no MPI.
 """
 from ._config import MODES, Relaunch
 from ._config import ROWS as CONFIG_ROWS
 from ._errors import is_agreed
 from ._group import first_survivor
 from ._lazy import keep_mpi_uninitialized, lazy_exports
-from ._policy import fill
+from ._policy import asked, fill, would_fill
 from ._ranks import SPARE
 from ._table import Setting, check, fields_match, read, text, write
 from ._warm import ANSWER_SECONDS as WARM_ANSWER_SECONDS
@@ -24,4 +24,4 @@ from ._watchdog import STOPPED_SENTINEL_SECONDS
 
 __all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "WARM_ANSWER_SECONDS", "first_survivor",
            "is_agreed", "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check", "fields_match",
-           "read", "text", "write", "fill"]
+           "read", "text", "write", "fill", "asked", "would_fill"]

@@ -25,15 +25,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence, TypeVar
 
 import numpy as np
 
 from elastic.comm import (
-    Config, ConfigError, CurrentRank, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext, Recoverable,
-    Role, Settings, Unrecoverable, agreed, wire,
+    Config, ConfigError, CurrentRank, Decision, LogicalRank, Outlook, ProcessFailure, Rebuild, RebuildContext,
+    Recoverable, Role, Settings, Unrecoverable, agreed, wire,
 )
-from elastic.comm.runtime import fill, first_survivor, is_agreed
+from elastic.comm.runtime import asked, fill, first_survivor, is_agreed, would_fill
 from elastic.comm.faults import FaultInjector, InjectedFault, Injection, parse_schedule
 from elastic.recovery import Policy
 
@@ -159,13 +159,21 @@ class SimJob:
                 self._fabric.dead.add(logical)
             self._cv.notify_all()
 
-    def _wait(self, ready: Callable[[], bool], fail: Callable[[], bool]) -> None:
-        """Wait (holding the lock) until ``ready()``; ``ProcessFailure`` once ``fail()`` and not ready."""
-        while not ready():
-            if fail():
-                raise ProcessFailure("a rank of this generation died")
-            if not self._cv.wait(max(self._deadline - time.monotonic(), 0.001)) and time.monotonic() > self._deadline:
-                raise AssertionError("the simulated job hung: a rank waited past the job's timeout")
+    def _wait(self, rank: "SimRank | None", ready: Callable[[], bool], fail: Callable[[], bool]) -> None:
+        """Wait (holding the lock) until ``ready()``; ``ProcessFailure`` once ``fail()`` and not ready.
+        The time ``rank`` spends here is what it waited for its peers (``job.waited``), as a real
+        rank's in its MPI calls: the rest of a step is its own work (the straggler detector's measure)."""
+        began = time.perf_counter()
+        try:
+            while not ready():
+                if fail():
+                    raise ProcessFailure("a rank of this generation died")
+                if not self._cv.wait(max(self._deadline - time.monotonic(), 0.001)) and \
+                        time.monotonic() > self._deadline:
+                    raise AssertionError("the simulated job hung: a rank waited past the job's timeout")
+        finally:
+            if rank is not None:
+                rank._waited += time.perf_counter() - began
 
     def _collective(self, rank: "SimRank", value: Any) -> dict[int, Any]:
         """Every active rank's ``value`` by logical rank, or ``ProcessFailure`` on every one."""
@@ -181,7 +189,7 @@ class SimJob:
             slot = f.slots.setdefault(key, {})
             slot[rank.logical] = value
             self._cv.notify_all()
-            self._wait(lambda: len(slot) == len(f.active), lambda: bool(f.dead) or f.revoked)
+            self._wait(rank, lambda: len(slot) == len(f.active), lambda: bool(f.dead) or f.revoked)
             f.readers[key] = f.readers.get(key, 0) + 1
             if f.readers[key] == len(f.active):
                 del f.slots[key], f.readers[key]
@@ -205,7 +213,7 @@ class SimJob:
 
     def _receive(self, rank: "SimRank", peer: int, tag: int) -> Any:
         f, key = self._fabric, (self._fabric.generation, peer, rank.logical, tag)
-        self._wait(lambda: bool(f.mail.get(key)),
+        self._wait(rank, lambda: bool(f.mail.get(key)),
                    lambda: peer in f.dead or f.revoked or rank.generation != f.generation)
         return f.mail[key].pop(0)
 
@@ -221,16 +229,14 @@ class SimJob:
                 if f.arrived >= set(f.active) - f.dead:
                     self._apply(outlook)
                     break
-                self._wait(lambda: f.generation != generation or f.arrived >= set(f.active) - f.dead,
+                self._wait(None, lambda: f.generation != generation or f.arrived >= set(f.active) - f.dead,
                            lambda: False)
 
     def _apply(self, outlook: Outlook) -> None:
         f = self._fabric
         lost = sorted(f.dead & set(f.active))
         live = [r for r in f.active if r not in f.dead]
-        decision = self.policy.decide(RebuildContext(len(lost), f.spares, len(live), outlook,
-                                                     lost_ranks=tuple(lost), active_ranks=tuple(sorted(live)),
-                                                     initial_size=self.initial_size))
+        decision = asked(self.policy, RebuildContext.of(lost, live, f.spares, outlook, self.initial_size))
         replaced: list[int] = []
         plan = fill(decision.modes, lost, f.spares)  # the real rebuild's rule
         used = [mode for mode, _ in plan]
@@ -281,6 +287,7 @@ class SimRank:
         self._job, self.logical, self._role = job, logical, role
         self._sequence = 0  # collectives called in this generation (every rank calls them in one order)
         self._collectives = 0  # every generation's: Job.collectives
+        self._waited = 0.0     # seconds in the fabric's waits: Job.waited
         self._generation = job._fabric.generation
         self._step: int | None = None
         self._ended = False
@@ -462,11 +469,16 @@ class _SimJobView:
 
     @property
     def waited(self) -> float:
-        return 0.0  # threads: no step of a simulated rank waits on another's in a way worth timing
+        return self._rank._waited
 
     @property
     def spares(self) -> int:
         return self._rank._job._fabric.spares
+
+    def rebuild_decision(self, lost: Sequence[int], outlook: Outlook) -> Decision:
+        job, gone = self._rank._job, {int(r) for r in lost}
+        active = [r for r in job._fabric.active if r not in gone]
+        return would_fill(job.policy, RebuildContext.of(lost, active, job._fabric.spares, outlook, job.initial_size))
 
     def data_fault(self, action: str) -> Injection | None:
         return self._rank._faults.data_fault(action)
