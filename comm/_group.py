@@ -39,10 +39,6 @@ class Settings(Protocol):
     def domains(self) -> tuple[str, ...]: ...    # failure domain of each logical rank, instead of the hosts
     @property
     def faults_scheduled(self) -> bool: ...      # fault points inside torch's collectives too
-    @property
-    def rebuild(self) -> tuple[str, ...]: ...    # the rebuild modes allowed, and ...
-    @property
-    def min_size(self) -> int: ...               # ... the fewest ranks a shrink may leave
 
 
 class EventSink(Protocol):

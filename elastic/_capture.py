@@ -1,12 +1,15 @@
-"""The values of a ``State`` at one moment, frozen: what the step boundary's stages take.
+"""The values of a ``State`` at one moment, frozen, and the record of a step's end: what the
+step boundary's stages take.
 
 ``State`` holds the values; the stages around a recovery point (the integrity gate, the recovery
-point's strategy, stragglers, data faults) each take a ``Capture`` and do one thing with it.
+point's strategy) each take a ``Capture`` and do one thing with it; the stages of the step's end
+(``_stages``) each take a ``StepEnd``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import functools
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -49,3 +52,39 @@ class Capture:
 def is_local(name: str, local: frozenset[str]) -> bool:
     """``name`` is rank-unique under ``local`` (itself or the part before its first dot)."""
     return name in local or name.split(".", 1)[0] in local
+
+
+def _no_values() -> Capture:
+    return Capture({}, frozenset())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """What ``record_step`` knew of a step as it ended (local): the record each stage of the
+    step's end takes (``_stages``). ``own_work``: the seconds of the step this rank did not spend
+    waiting for its peers. ``capture``: the State's values now (views of the live values), taken
+    the first time a stage reads it. ``changed``: values a stage changed (a data fault's flipped
+    bit), which the State takes into its live ones."""
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    total: int | None = None
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    own_work: float = 0.0
+    take: Callable[[], Capture] = _no_values
+    changed: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def capture(self) -> Capture:
+        return self.take()
+
+
+@runtime_checkable
+class StepStage(Protocol):
+    """One stage of the step's end (``_stages``): it does one thing with the record."""
+
+    def step_ended(self, end: StepEnd) -> StepEnd | None:
+        """The step ``end`` describes has ended (local unless the stage says otherwise; a collective
+        stage runs on every active rank alike). None, or the record as this stage changed the step."""
+        ...

@@ -55,14 +55,18 @@ class StepPolicy(Protocol, Generic[T_co]):
 def drive(world: Recoverable, policy: StepPolicy[T]) -> T:
     """Run ``policy`` until its steps end, through every failure the job can survive (collective)."""
     reset = world.role is Role.RECOVERED
+    non_finite: NonFinite | None = None  # to roll back from, at the top of the next round
     while True:
         try:
             if reset:
                 policy.restore(world.last_rebuild)
                 reset = False
+            elif non_finite is not None:  # here, so that a failure inside a roll-back is one like any other
+                error, non_finite = non_finite, None
+                policy.roll_back(error)
             return policy.steps()
         except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
-            policy.roll_back(exc)
+            non_finite = exc
         except Exception as exc:
             if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
                 raise

@@ -17,7 +17,7 @@ import numpy as np
 from elastic.comm import ConfigError, ProcessFailure, Recoverable, Unrecoverable, agreed
 from elastic.recovery import CommitRejected, ReplicatedStore, checksum
 
-from ._capture import INDEX, Capture
+from ._capture import INDEX, Capture, StepEnd
 from ._integrity import NonFinite, digest, my_share, nonfinite_values, verdict
 from ._settings import OnNonFinite
 
@@ -42,13 +42,14 @@ class Gate:
         self._loss: float | None = None            # the last finite loss record_step got
         self._told_local = False                   # a rank-local loss was said once
 
-    def saw(self, step: int, loss: float | None, grad_norm: float | None) -> None:
-        """A step's loss and gradient norm (local): the first non-finite one is kept for the gate."""
-        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+    def step_ended(self, end: StepEnd) -> None:
+        """A step's loss and gradient norm (local; a stage of the step's end): the first non-finite
+        one is kept for the gate."""
+        for what, value in (("loss", end.loss), ("grad_norm", end.grad_norm)):
             if value is not None and self._seen is None and not math.isfinite(value):
-                self._seen = (step, what)
-        if loss is not None and math.isfinite(loss):
-            self._loss = float(loss)
+                self._seen = (end.step, what)
+        if end.loss is not None and math.isfinite(end.loss):
+            self._loss = float(end.loss)
 
     def forget(self) -> None:
         """The steps it saw were undone (a restore)."""
@@ -183,11 +184,13 @@ class TwinCheck:
     def __init__(self, world: Recoverable, holders: Callable[[int], Sequence[int]], every: int) -> None:
         self._world, self._holders, self._every = world, holders, every
 
-    def step_ended(self, step: int, twin: Callable[[], Mapping[str, np.ndarray]]) -> None:
+    def step_ended(self, end: StepEnd) -> None:
+        """Every ``every`` steps (collective: a stage of the step's end)."""
+        step = end.step
         if step % self._every:
             return
         world = self._world
-        sums = fingerprints(twin())
+        sums = fingerprints(end.capture.twin)
         ranks = [int(r) for r in world.logical_ranks]
         told = dict(zip(ranks, world.allgather(digest(sums))))
         groups = sorted({tuple(h for h in self._holders(r) if h in told) for r in ranks})

@@ -65,7 +65,7 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
     return world
 
 
-def _before_parking(rehearse: Callable[[], None] | None, world: World) -> None:
+def _before_parking(rehearse: Callable[[], None] | None, world: Group) -> None:
     """What a spare does before it parks, so that its promotion does not: the imports of the rest of
     ``init`` (torch's: ~5 ms of the recovery on the 4-rank benchmark, every survivor waiting in the
     store's first collective for the promoted spare), and the program's rehearsal."""
@@ -75,7 +75,7 @@ def _before_parking(rehearse: Callable[[], None] | None, world: World) -> None:
         _rehearse(rehearse, world)
 
 
-def _rehearse(rehearse: Callable[[], None], world: World) -> None:
+def _rehearse(rehearse: Callable[[], None], world: Group) -> None:
     from ._rehearsal import rehearse as run
 
     began = time.monotonic()
@@ -92,13 +92,13 @@ def _rehearse(rehearse: Callable[[], None], world: World) -> None:
 _UPDATE_HOOK: list[Any] = []  # the handle of the one global hook of this process
 
 
-def _fire_update_in_optimizers(world: World) -> None:
+def _fire_update_in_optimizers(world: Group) -> None:
     """Every torch optimizer's ``step()`` fires the ``update`` fault point of the World's step as
     it begins (``1@u20``: inside step 20's optimizer step), but one whose step is a per-step
     recovery point: that fires it once the point passed (``State.step_point``)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from ._points import POINTED
+    from ._torchstate import POINTED
 
     def fire(optimizer: Any, args: Any, kwargs: Any) -> None:
         if optimizer not in POINTED:

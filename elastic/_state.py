@@ -1,40 +1,41 @@
 """State that rolls back together: named values, committed to peers' memory, restored after a failure.
 
 ``State`` holds values by name, each through the handler of its kind
-(``_handlers``); ``TorchState`` (``_torchstate``) adds a model, an optimizer
+(``_values``, ``_handlers``); ``TorchState`` (``_torchstate``) adds a model, an optimizer
 and the RNG states as three more handlers. Values every rank holds alike (the data-parallel model
 and optimizer) are never copied to peers: each rank keeps its own roll-back
 copy, and a replacement gets them from the survivors
 (``elastic.recovery.share``). Rank-unique values (``local``: the RNG states, a
 shard) are replicated through ``elastic.recovery.ReplicatedStore``.
 
-At the step boundary ``State`` makes a frozen ``Capture`` of its values and the
-stages take it, each one job in its own module: the integrity gate (``_gate``),
-the recovery point (``_points``: every commit or every step), stragglers
-(``_stragglers``) and injected data faults (``_datafaults``), the last two
-present only when set. ``restore()`` rolls back, and after a shrink gives this
-rank handlers for the values it took over. ``elastic.run`` calls the rest
+At a commit ``State`` makes a frozen ``Capture`` of its values for the integrity
+gate (``_gate``) and the recovery point (``_points``: every commit, every step,
+twins); at the step's end a frozen ``StepEnd`` for the tuple of stages
+``_stages`` builds, only those that apply. ``restore()`` rolls back, and after
+a shrink gives this rank handlers for the values it took over; the recovery
+point brings back what a rank still lacks. ``elastic.run`` calls the rest
 (``_recover``, ``sync``, ``_roll_back``).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from elastic.comm import ConfigError, Outlook, Recoverable, Unrecoverable, agreed, wire
-from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore, share
+from elastic.comm import ConfigError, Outlook, Recoverable, Unrecoverable, agreed
+from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore
 
-from ._capture import INDEX, Capture, is_local
+from ._capture import INDEX, Capture, StepEnd
 from ._clock import StepClock
-from ._datafaults import data_faults
-from ._gate import Gate, TwinCheck, fingerprints
-from ._handlers import Handler, Held, adopted, for_value
+from ._gate import Gate, fingerprints
 from ._integrity import NonFinite, digest
-from ._points import Twins, recovery_point
+from ._points import Into, Twins, recovery_point, share_shared
 from ._settings import OnNonFinite, Training
-from ._stragglers import straggler_watch
+from ._stages import stages
+from ._values import Values
+
 
 class State:
     """Named values that are committed and rolled back together. Create on every active rank.
@@ -79,52 +80,44 @@ class State:
         keep = settings.keep_versions if keep_versions is None else keep_versions
         self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
         self._point = recovery_point(world, per_step, twins, lambda: ReplicatedStore(
-            world, replication=replication, chunk_bytes=chunk_bytes))
-        self._holds_shared = False  # this rank's shared values are the job's (not on a fresh replacement)
-        self._holds_twin = False    # and its twinned values its shard's
+            world, replication=replication, chunk_bytes=chunk_bytes), adopt)
         self._adopt = adopt
-        self._twinned = frozenset(twinned)
-        self._local = frozenset(local) | self._twinned | {INDEX}
-        self._handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
-        self._public: set[str] = set()            # the program's: state[name], names()
+        self._values = Values(type(self).__name__, frozenset(local), frozenset(twinned))
         self._clock = StepClock(world, settings)
         self._gate = Gate(world, settings.max_failures)
         self._gate_every = settings.gate_every if per_step else 0  # commit() runs the gate at every commit
-        self._stragglers = straggler_watch(world, settings)
-        self._twin_check = TwinCheck(world, twins.holders, settings.twin_check_every) \
-            if twins is not None and settings.twin_check_every else None
-        self._data_faults = data_faults(world)
+        self._stages = stages(world, settings, self._point, self._gate, self._clock, twins)
+        self._into = Into(self._capture, lambda: Capture(self._store.restore(), self._values.local,
+                                                         self._values.twinned),
+                          self._take, lambda arrays: self._store.commit(arrays, self._next_version()))
         for name, value in values.items():
             self[name] = value
 
     # ------------------------------------------------------------ values
     def __setitem__(self, name: str, value: Any) -> None:
-        if name in self._handlers and name not in self._public:
-            raise ConfigError(f"state value {name!r}: {type(self).__name__} keeps its own values under that name; "
-                              "choose another")
-        self._handlers[name] = for_value(name, value)
-        self._public.add(name)
+        self._values.set(name, value)
 
     def __getitem__(self, name: str) -> Any:
-        if name not in self._public:
+        if name not in self._values.public:
             raise KeyError(name)
-        return self._handlers[name].value
+        return self._values.handlers[name].value
 
     def __delitem__(self, name: str) -> None:
-        if name not in self._public:
+        if name not in self._values.public:
             raise KeyError(name)
-        self._public.discard(name)
-        del self._handlers[name]
+        self._values.public.discard(name)
+        del self._values.handlers[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._public
+        return name in self._values.public
 
     def names(self) -> Iterator[str]:
-        return iter(sorted(self._public))
+        return iter(sorted(self._values.public))
 
     def __getattr__(self, name: str) -> Any:
-        if name in self.__dict__.get("_public", ()):
-            return self.__dict__["_handlers"][name].value
+        values = self.__dict__.get("_values")
+        if values is not None and name in values.public:
+            return values.handlers[name].value
         raise AttributeError(f"{type(self).__name__} has no value {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -165,7 +158,6 @@ class State:
         self._gate.check(capture, self._next_version())
         arrays, unreplicated = self._point.stored(capture)
         self._store.commit(arrays, self._next_version(), unreplicated=unreplicated)  # in the own payload only
-        self._holds_shared = self._holds_twin = True
         self._point.committed(capture, program)
         self._gate.passed()
 
@@ -191,7 +183,7 @@ class State:
         gated = bool(self._gate_every) and self._next_version() % self._gate_every == 0
         if gated:  # the shared values' fingerprints and the losses seen, before the point is made current
             self._gate.check(capture, self._next_version())
-        self._point.step_point(capture, lambda arrays: self._store.commit(arrays, self._next_version()))
+        self._point.step_point(capture, self._into.commit)
         if gated:
             self._gate.passed()
         self._world.fault_point(self._world.job.step, "update")  # the step's update runs from here
@@ -203,22 +195,15 @@ class State:
         """Roll every value back to the last agreed version (local); with ``per_step``, the
         rank-unique values (the shared ones are their own recovery point). Values of removed ranks
         this rank took over after a shrink get handlers here, unless it has values of the same name
-        (its own win)."""
+        (its own win). A value this rank's version lacks (a replacement's shared values, which are
+        never replicated) is the recovery point's to bring back (``elastic.run`` has it do so)."""
         if self.version is None:
             raise NothingCommitted("nothing committed yet: elastic.run commits once before calling your function")
         for owner in self._store.owners_here():
             if owner != int(self._world.logical_rank):
-                self._apply(self._store.restore_owner(owner), adopting=True)
-        own = self._store.restore()
-        self._apply(own)
-        if any(is_local(name, self._twinned) for name in own):
-            self._holds_twin = True  # committed with the rest (per_step=False)
+                self._values.apply(self._store.restore_owner(owner), adopting=True)
+        self._values.apply(self._store.restore())
         self._gate.forget()  # the steps it saw are undone
-        if self._point.restores_shared:
-            # The shared values roll back from the own payload, which lacks them on a replacement that
-            # has not committed since it joined: it must get them again (``_share``), not keep its live
-            # ones, which later steps changed. (A relaunch finds them in node memory.)
-            self._holds_shared = any(not self._is_local(name) for name in own)
 
     def sync(self) -> None:
         """Make every rank start from the same state (collective over the active ranks).
@@ -240,7 +225,7 @@ class State:
             first = everyone[world.job.first_survivor]
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
-                self._share_to(differ)
+                share_shared(world, differ, self._into)
             self._commit(program=False)
         self._clock.restart()
 
@@ -261,18 +246,14 @@ class State:
         what it waited for its peers) is gathered here (one small all-gather), and a rank that
         many times slower than the median for ``ELASTIC_STRAGGLER_STEPS`` steps in a row is
         evicted like a failed rank: call it on every rank then."""
-        self._point.step_ended()
-        if self._twin_check is not None:
-            self._twin_check.step_ended(step, lambda: self._capture().twin)
-        self._gate.saw(step, loss, grad_norm)
-        self._world.fault_point(step, implied=True)
-        if self._data_faults is not None:
-            self._data_faults.step_ending(step, self._handlers, self._local, self._clock.own_work)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        own = self._clock.step_done(step, loss, total, **metrics)
-        if self._stragglers is not None:
-            self._stragglers.step_ended(step, own)
+        end = StepEnd(step, loss, grad_norm, total, metrics, self._clock.own_work(), self._capture)
+        for stage in self._stages:
+            changed = stage.step_ended(end)
+            if changed is not None:
+                self._values.take_changed(changed.changed)
+                end = dataclasses.replace(changed, changed={})
 
     def dropped(self, step: int) -> bool:
         """True when the integrity gate dropped the step that ends at ``step`` (the number
@@ -287,93 +268,29 @@ class State:
         t0 = time.perf_counter()
         if not self._store.recover(adopt=self._adopt):
             return  # no version was ever committed: sync() starts over from the first survivor
-        self._point.recover(self._adopt)
-        self.restore()
-        self._share()
+        self._back()
         self._world.events.emit("state_restored", version=self.version, seconds=time.perf_counter() - t0,
                                 bytes_moved=self._store.bytes_moved)
 
-    def _share(self) -> None:
-        """Give the values every rank holds alike to the ranks that lack them: replacements
-        (collective)."""
-        world = self._world
-        ranks = [int(r) for r in world.logical_ranks]
-        holds = world.allgather((self._holds_shared, self._holds_twin or not self._twinned))
-        self._point.interrupted()
-        lacking_twin = [r for r, (_, twin) in zip(ranks, holds) if not twin]
-        orphans = self._point.orphans(world, lacking_twin)
-        if orphans:  # every twin of some shard died: every rank back to the program's last commit, where a
-            self._apply(self._point.last_commit(world, orphans))  # replacement gets its shard from the store
-            self._gate.forget()
-            self._holds_twin = True
-            holds = [(shared, True) for shared, _ in holds]  # the shared values: a survivor's, rolled back
-        lacking = [r for r, (shared, _) in zip(ranks, holds) if not shared]
-        if lacking:
-            self._share_to(lacking)
-        lacking = [r for r, (_, twin) in zip(ranks, holds) if not twin]
-        if lacking:
-            got = self._point.share_twins(world, self._capture().twin, lacking)
-            if got is not None:
-                self._apply(got)
-                self._holds_twin = True
-        if orphans:  # the per-step point again, where the job now is
-            self._store.commit(self._capture().unique, self._next_version())
+    def _back(self) -> None:
+        """Every rank back to the current version, and what a rank still lacks of it brought back by
+        the recovery point (collective)."""
+        self.restore()
+        self._point.bring_back(self._world, self._into)
 
-    def _share_to(self, lacking: list[int]) -> None:
-        """The shared values from the other active ranks to the logical ranks ``lacking`` (collective)."""
-        mine = None if int(self._world.logical_rank) in lacking else self._capture().shared
-        got = share(self._world, mine, lacking)
-        if got is not None:  # the kinds of values it has no handler for yet: from its own index, recovered
-            index = self._store.restore().get(INDEX) if self.version is not None else None
-            self._apply(got if index is None else {**got, INDEX: index})
-            self._holds_shared = True
+    def _take(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Arrays another rank sent, or a roll-back's, into the live values; named by this rank's
+        committed index where they come without one (a kind of value it has no handler for yet)."""
+        if INDEX not in arrays and self.version is not None:
+            arrays = {**arrays, INDEX: self._store.restore()[INDEX]}
+        self._values.apply(arrays)
 
     def _is_local(self, name: str) -> bool:
-        return is_local(name, self._local)
-
-    def _own(self, name: str, handler: Handler) -> None:
-        """A value the State keeps for itself (a model, the RNGs): committed, not in ``names()``."""
-        if name in self._handlers:
-            raise ConfigError(f"state value {name!r}: {type(self).__name__} keeps its own values under that name; "
-                              "choose another")
-        self._handlers[name] = handler
+        return self._values.is_local(name)
 
     def _capture(self) -> Capture:
-        """Every value as arrays, with the index of their handlers (local; views of the live values)."""
-        labels = {name: handler.label for name, handler in self._handlers.items()}
-        arrays = {INDEX: wire.split(labels, "the State's index")[0]}
-        for name, handler in self._handlers.items():
-            arrays.update(handler.capture(name))
-        return Capture(arrays, self._local, self._twinned)
-
-    def _apply(self, arrays: Mapping[str, np.ndarray], adopting: bool = False) -> None:
-        """Take the values in ``arrays`` (read-only views of the store), each through its handler;
-        names without one get the handler their index names. ``adopting``: another rank's values,
-        taken only where this rank has none of that name."""
-        arrays = dict(arrays)
-        index = arrays.pop(INDEX, None)
-        labels: dict[str, str] = wire.join(index, lambda path, kind: None) if index is not None else {}
-        for name, group in self._group(arrays, labels).items():
-            handler = self._handlers.get(name)
-            if handler is None:
-                handler = self._handlers[name] = adopted(labels.get(name, "plain:numpy"), name, group)
-                if not isinstance(handler, Held):
-                    self._public.add(name)
-            elif not adopting:
-                handler.apply(name, group)
-
-    def _group(self, arrays: Mapping[str, np.ndarray], labels: Mapping[str, str]) -> dict[str, dict[str, np.ndarray]]:
-        """The arrays by the value they belong to: the longest dotted prefix that names a value."""
-        groups: dict[str, dict[str, np.ndarray]] = {}
-        for key, array in arrays.items():
-            name = key
-            while name not in self._handlers and name not in labels and "." in name:
-                name = name.rsplit(".", 1)[0]
-            if name not in self._handlers and name not in labels:
-                name = key  # no index (an old version's arrays): a plain array
-            groups.setdefault(name, {})[key] = array
-        return groups
+        return self._values.capture()
 
     def _roll_back(self, error: NonFinite, mode: OnNonFinite | str) -> None:
         """After ``NonFinite`` (agreed): the gate's answer (``Gate.roll_back``)."""
-        self._gate.roll_back(error, OnNonFinite.of(mode), self._store, self.restore, self._point.why_no_roll_back)
+        self._gate.roll_back(error, OnNonFinite.of(mode), self._store, self._back, self._point.why_no_roll_back)

@@ -1,6 +1,7 @@
 """``TorchState``: a ``State`` that also holds torch models, their optimizers and the RNG states."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping
 
 from elastic.comm import ConfigError, Recoverable
@@ -9,6 +10,10 @@ from elastic.recovery import Adopt
 from ._handlers import Held, Module, Rng, Stateful
 from ._points import Twins
 from ._state import State
+
+# Optimizers whose step() is a per-step recovery point: they fire the ``update`` fault point
+# themselves, once the point passed (``State.step_point``); any other fires it as its step begins.
+POINTED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class TorchState(State):
@@ -45,10 +50,12 @@ class TorchState(State):
                               "(commit() every few steps)")
         super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
                          per_step=per_step, keep_versions=keep_versions, twins=twins, twinned=twinned, **values)
+        self._per_step = per_step
+        self._hooked: tuple[str, Any, Any] | None = None  # per_step: the optimizer's name, its hook's handle, it
         pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
         for name, (module, optim) in {**pairs, **(modules or {})}.items():
             self.bind(name, module, optim)
-        self._own("rng", Rng())
+        self._values.own("rng", Rng())
 
     def bind(self, name: str, model: Any, optimizer: Any = None) -> None:
         """Host one more (model, optimizer) pair as ``name`` ("" for ``model`` / ``optimizer``),
@@ -57,25 +64,38 @@ class TorchState(State):
         for key, obj, handler in ((f"{pre}model", model, Module), (f"{pre}optim", optimizer, Stateful)):
             if obj is None:
                 continue
-            if key in self._public:
+            if key in self._values.public:
                 raise ConfigError(f"state value {key!r} is the program's; TorchState keeps the model and the "
                                   "optimizer under that name: rename the value")
-            held = self._handlers.get(key)
-            self._handlers[key] = handler(obj)
+            held = self._values.handlers.get(key)
+            self._values.handlers[key] = handler(obj)
             if isinstance(held, Held):
-                self._handlers[key].apply(key, held.value)
-            if handler is Stateful:
-                self._point.hook(key, obj, self.step_point)
+                self._values.handlers[key].apply(key, held.value)
+            if handler is Stateful and self._per_step:
+                self._hook(key, obj)
+
+    def _hook(self, name: str, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` call ``step_point`` first (``per_step``; binding another
+        optimizer under the same name unhooks the last)."""
+        if self._hooked is not None and self._hooked[0] != name:
+            raise ConfigError("per_step=True takes one optimizer: its step() is each step's recovery "
+                              "point; with more, make the TorchState with per_step=False, or a State "
+                              "with per_step=True and call state.step_point() before the first update")
+        if self._hooked is not None:
+            self._hooked[1].remove()  # bound again (a model built anew after a shrink): the new one's
+            POINTED.discard(self._hooked[2])
+        self._hooked = (name, optimizer.register_step_pre_hook(lambda *_: self.step_point()), optimizer)
+        POINTED.add(optimizer)
 
     def _recover(self) -> None:
-        for handler in self._handlers.values():
+        for handler in self._values.handlers.values():
             if isinstance(handler, Module):
                 end_iteration(handler.value)
         super()._recover()
 
     def unbound(self) -> list[str]:
         """Names of model/optimizer pairs this rank holds values of but no module for (adopted ones)."""
-        return sorted(n.removesuffix(".model") for n, h in self._handlers.items()
+        return sorted(n.removesuffix(".model") for n, h in self._values.handlers.items()
                       if isinstance(h, Held) and h.label == Module.label and n.endswith(".model"))
 
 

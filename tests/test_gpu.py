@@ -48,7 +48,7 @@ def test_a_cuda_model_optimizer_and_rng_roll_back_bitwise():
     step()
     after = [p.detach().clone() for p in model.parameters()], torch.rand(3, device="cuda")
     step()
-    state._apply(saved)
+    state._values.apply(saved)
     step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after[0]))  # weights, Adam, CUDA dropout
     assert torch.equal(torch.rand(3, device="cuda"), after[1])

@@ -203,3 +203,19 @@ def test_a_slow_rank_is_evicted_to_the_spare_within_its_window_a_paused_one_is_n
     (gone,) = [o for o in job.outcomes if o["status"] == "failed"]
     assert gone["logical"] == 2 and gone["kind"] == "straggler" and "evicted" in gone["message"]
     assert "step 13: logical rank 2 a straggler" in format_report(job.run_dir)
+
+
+@pytest.mark.fault
+def test_a_straggler_whose_place_the_jobs_policy_cannot_fill_is_kept_and_it_is_said_once(tmp_path, reference):
+    """Shrink only, and the job must stay a multiple of 2: evicting the slow rank of 4 would leave
+    3, which the rebuild refuses. The eviction asks the job's own policy first: the rank is kept,
+    the job ends on every rank, bitwise, and the warning is said once (before: evicted at step 13,
+    then every rank stopped with ``Unrecoverable``)."""
+    job = launch(tmp_path, 4, "--rebuild", "shrink", "--inject", "2@10:slow=6", "--straggler", "3:3",
+                 program=TRAIN, env={"ELASTIC_MULTIPLE_OF": "2"})
+    assert_bitwise(job, reference(TRAIN))
+    assert job.statuses() == ["finished"] * 4 and not job.of("rebuilt")
+    found = job.of("straggler")
+    assert found and {e["rank"] for e in found} == {2} and not any(e["evicted"] for e in found)
+    said = [line for line in job.output.splitlines() if "not evicted" in line]
+    assert len(said) == 1 and "not a multiple of 2" in said[0], said

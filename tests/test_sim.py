@@ -94,6 +94,104 @@ def test_a_software_error_in_one_rank_is_that_ranks_failure():
     assert [e["mode"] for e in job.of("rebuilt")] == ["spare"] and sorted(got) == [0, 1, 2, 3]
 
 
+def _timed_main(steps: int = 12, nan_at: int | None = None):
+    """``_main``'s model with each step's own work (5 ms, a sleep standing for compute, which lets the
+    other threads run as a real rank's would) and a commit every 4 steps; ``nan_at``: the step whose
+    loss is NaN once in the job (the gate refuses the commit after it, every rank rolls back)."""
+    import time
+
+    def main(world):
+        state = elastic.State(world, w=np.zeros(4), step=0)
+        fired = []
+
+        @elastic.run
+        def train(world, state):
+            while state.step < steps:
+                time.sleep(0.005)
+                g = np.full(4, float(world.logical_rank + 1) * (state.step + 1))
+                world.allreduce([g], step=state.step)
+                state.w = state.w + g / world.size
+                state.step += 1
+                nan = state.step == nan_at and not fired and (fired.append(True) or True)
+                state.record_step(state.step, float("nan") if nan else 1.0)
+                if state.step % 4 == 0:
+                    state.commit()
+            return state.w.tobytes().hex()
+        return train(world, state)
+    return main
+
+
+def test_a_simulated_rank_that_waits_for_its_peers_is_no_straggler_and_a_slow_one_is_evicted():
+    """A rank's waits in the fabric count as waiting (``job.waited``), not as its own work: with a
+    straggler bound the fast ranks, which wait for the slow one in every all-reduce, are never
+    stragglers, and the slow one is evicted to the spare, the result bitwise."""
+    reference = SimJob(4).run(_timed_main())
+    job = SimJob(4, spares=1, inject="2@5:slow=8", straggler_factor=3.0, straggler_steps=3)
+    assert job.run(_timed_main()) == reference
+    evicted = [e for e in job.of("straggler") if e["evicted"]]
+    assert {e["rank"] for e in job.of("straggler")} == {2}
+    assert {(e["rank"], e["step"]) for e in evicted} == {(2, 7)}  # slow from step 5: three in a row
+    assert [(e["mode"], e["failed"]) for e in job.of("rebuilt")] == [("spare", [2])]
+    # Where the job's policy cannot fill the place (a shrink to 3 of a job that must stay even), the
+    # slow rank stays, and the job ends on every rank.
+    kept = SimJob(4, inject="2@5:slow=8", straggler_factor=3.0, straggler_steps=3, rebuild=("shrink",),
+                  multiple_of=2)
+    assert kept.run(_timed_main()) == reference
+    assert kept.of("straggler") and not any(e["evicted"] for e in kept.of("straggler")) and not kept.of("rebuilt")
+
+
+def test_a_replacement_rolled_back_from_a_non_finite_step_before_its_first_commit_takes_the_shared_values_again():
+    """Logical 1 dies at step 5 (committed at 4); its replacement gets the shared values from the
+    survivors, then step 7's loss is NaN, so the commit at 8 is refused and every rank rolls back to
+    4. The replacement's own payload has no shared values (they are never replicated): it must take
+    them from the survivors again, or it keeps its live ones and is fenced as a corrupt rank."""
+    reference = SimJob(4).run(_timed_main())
+    job = SimJob(4, spares=1, inject="1@5", rebuild=("spare",))
+    assert job.run(_timed_main(nan_at=7)) == reference
+    assert [e["mode"] for e in job.of("rebuilt")] == ["spare"]
+    assert {e["verdict"] for e in job.of("integrity")} == {"nonfinite"}  # nobody fenced
+    assert len(job.of("rolled_back")) == 4 and job.of("shared_copied")[-1]["receivers"] == [1]
+
+
+def test_a_failure_inside_a_roll_back_is_recovered_like_any_other():
+    """``drive`` rolls back inside its loop: a rank that dies while the others roll back (the roll-back
+    is collective) is a failure the job recovers from, not an error out of the loop."""
+    from elastic._driver import drive
+    from elastic._integrity import NonFinite
+    from elastic.comm import ProcessFailure, Role
+
+    calls = []
+
+    class World:
+        role, last_rebuild = Role.INITIAL, None
+
+        def recover(self, outlook=None):
+            calls.append("recover")
+            return "rebuilt"
+
+    class Policy:
+        outlook = None
+
+        def steps(self):
+            calls.append("steps")
+            if calls.count("steps") == 1:
+                raise NonFinite("version 3 not committed", 7, ())
+            return "done"
+
+        def roll_back(self, error):
+            calls.append("roll_back")
+            raise ProcessFailure("a rank died in the roll-back's collective")
+
+        def failed(self, rebuild):
+            calls.append("failed")
+
+        def restore(self, rebuild):
+            calls.append("restore")
+
+    assert drive(World(), Policy()) == "done"
+    assert calls == ["steps", "roll_back", "recover", "failed", "restore", "steps"]
+
+
 def _pipeline(refuse_at: int | None = None, steps: int = 8):
     """Each rank a stage: ``applied`` is the updates it made, ``lost`` what each rebuild asked it to
     bring back; stage 2's part of step ``refuse_at`` fails once."""

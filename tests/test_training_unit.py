@@ -175,7 +175,7 @@ def test_no_restore_path_unpickles(monkeypatch):
     np.random.random()
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads in a restore path"))
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load in a restore path"))
-    state._apply(arrays)
+    state._values.apply(arrays)
     assert _digest(state._capture().arrays) == before
 
 
@@ -190,7 +190,7 @@ def test_values_taken_over_after_a_shrink_get_the_handlers_their_owner_had():
     arrays = {k: np.array(v) for k, v in owner._capture().arrays.items()}
     survivor = elastic.TorchState(SimJob(2).rank(0), model=torch.nn.Linear(3, 2), step=7)
     mine = _digest(survivor._capture().arrays)
-    survivor._apply(arrays, adopting=True)
+    survivor._values.apply(arrays, adopting=True)
     assert survivor.unbound() == ["s2"]
     assert sorted(survivor.names()) == ["adam.3.m", "notes", "step"]
     assert np.array_equal(survivor["adam.3.m"], np.arange(4.0)) and survivor["notes"]["epoch"] == 2
@@ -212,7 +212,7 @@ def test_a_roll_back_leaves_no_gradient_of_the_step_it_cut_short():
     model(torch.ones(1, 3)).sum().backward()  # the step the failure cut short
     with torch.no_grad():
         model.weight.add_(1.0)
-    state._apply(committed)
+    state._values.apply(committed)
     assert all(p.grad is None for p in model.parameters())
     assert _digest(state._capture().arrays) == _digest(committed)
 
