@@ -24,10 +24,12 @@ from ._policy import Policy
 
 if TYPE_CHECKING:
     from ._share import share, share_within
-    from ._store import Adopt, ReplicatedStore, checksum
+    from ._fetch import Adopt
+    from ._store import ReplicatedStore
+    from ._sums import checksum
 
 __getattr__, __dir__ = lazy_exports(globals(), {
-    "ReplicatedStore": "._store", "checksum": "._store", "Adopt": "._store", "share": "._share",
+    "ReplicatedStore": "._store", "checksum": "._sums", "Adopt": "._fetch", "share": "._share",
     "share_within": "._share",
 })
 

@@ -14,20 +14,23 @@ commit:
   memory (``_nodestore``), sealed with a manifest before the vote, so that a
   relaunch after the runtime's loss attaches them.
 
-All of them are local: no communication.
+All of them are local: no communication. Beside ``NodeMemory`` is what serves it after a
+relaunch: ``manifest`` (what a sealed version says of itself) and ``attach`` (collective: the
+relaunched ranks agree on the newest version the surviving nodes hold whole, and keep it).
 """
 from __future__ import annotations
 
 import atexit
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
+from elastic.comm import Group, ProcessFailure
 
 from ._nodestore import NodeFiles
+from ._payload import Payload
+from ._placement import DataLost, Layout, Piece, plan
+from ._versions import Held, Version
 
-# A payload: one byte array (header, then the fields), or the same as a list of arrays (the header,
-# then each field where the caller keeps it: ``CallerArrays``).
-Payload = np.ndarray | list[np.ndarray]
 # A version found in node memory: (its manifest, this rank's payload, the copies it held), either may be missing.
 Found = tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]
 
@@ -186,3 +189,92 @@ def _remove_ended() -> None:
         if ended():
             node.files.remove()
     _NODE_BACKINGS.clear()
+
+
+# ------------------------------------------------------------------ tier 2: a relaunch's attach
+def manifest(owner: int, chunk_bytes: int, replication: int, layout: Layout, sizes: Mapping[int, int],
+             own: tuple[int, list[int]], buffer: np.ndarray, held: Mapping[tuple[int, int, int], Held]
+             ) -> dict[str, Any]:
+    """What a relaunch needs to find a version again and check it (local): ``own`` is this rank's
+    payload's size and checksums; the copies' checksums are taken."""
+    return {
+        "owner": owner, "chunk_bytes": chunk_bytes, "replication": replication,
+        "domains": [list(d) for d in layout.domains], "sizes": {str(o): n for o, n in sizes.items()},
+        "own": {"nbytes": own[0], "sums": own[1]},
+        "held": {"nbytes": int(buffer.nbytes), "pieces": [
+            [h.piece.owner, h.piece.copy, h.piece.first, h.piece.count, h.offset, int(h.data.nbytes), h.sums]
+            for h in held.values()]}}
+
+
+def attach(world: Group, backing: Backing, chunk_bytes: int, replication: int,
+           sums: Callable[[np.ndarray], list[int]], keep: Callable[[Version], None]) -> None:
+    """A relaunch: take this rank's versions up from its node's memory, agree with the others on
+    the newest one that the live nodes hold whole, and ``keep`` that one (collective over the
+    active ranks). When none is whole, the newest is kept: the recovery then names what is lost."""
+    me = int(world.logical_rank)
+    offers = backing.found(me, chunk_bytes, replication, sums)
+    # What each rank holds, without the layout (O(ranks) each): it is sent once per version looked at.
+    summary = {v: ({int(o): int(n) for o, n in doc["sizes"].items()}, own is not None, buffer is not None)
+               for v, (doc, own, buffer) in offers.items()}
+    try:
+        everyone = world.allgather(summary)
+    except ProcessFailure:
+        if offers:  # lost during the attach: keep the newest here; the next recovery takes it from there
+            keep(_version(me, max(offers), *offers[max(offers)]))
+        raise
+
+    def layout_of(version: int) -> Layout:  # collective: every rank asks for the same versions in turn
+        root = next(i for i, offer in enumerate(everyone) if version in offer)
+        layout: Layout = world.bcast(_layout(offers[version][0]["domains"]) if world.rank == root else None,
+                                     root=root)
+        return layout
+    chosen = newest_whole(everyone, [int(r) for r in world.logical_ranks], chunk_bytes, replication, layout_of)
+    world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
+    if chosen is not None:
+        world.job.note_commit()  # a version this job committed: losing it later is DataLost
+        if chosen in offers:
+            keep(_version(me, chosen, *offers[chosen]))
+
+
+def _version(me: int, number: int, doc: dict[str, Any], own: np.ndarray | None, buffer: np.ndarray | None
+             ) -> Version:
+    """An attached version, as this rank's current one (local)."""
+    held = {}
+    if buffer is not None:
+        for owner, copy, first, count, offset, nbytes, sums in doc["held"]["pieces"]:
+            held[(owner, copy, first)] = Held(Piece(owner, copy, first, count, me), buffer[offset:offset + nbytes],
+                                              list(sums), offset)
+    return Version(number, _layout(doc["domains"]), {int(o): int(n) for o, n in doc["sizes"].items()},
+                   {me: own} if own is not None else {}, held, buffer is not None,
+                   buffer if buffer is not None else np.empty(0, np.uint8))
+
+
+def _layout(domains: list[list[int]]) -> Layout:
+    return Layout.of({r: str(d) for d, members in enumerate(domains) for r in members})
+
+
+# What one rank holds of a version, as the ranks tell it each other: {owner: payload bytes}, own payload, copies.
+Kept = tuple[dict[int, int], bool, bool]
+
+
+def newest_whole(offers: list[dict[int, Kept]], active: list[int], chunk_bytes: int, replication: int,
+                 layout_of: Callable[[int], Layout]) -> int | None:
+    """The newest version that the ranks' offers hold whole: every owner's payload on a live rank,
+    or each of its chunks in some live rank's copies (the same on every rank; ``layout_of``
+    gives a version's layout). When none is, the newest offered (its recovery then names what is
+    lost); None when nothing is offered."""
+    versions = sorted({v for offer in offers for v in offer}, reverse=True)
+    for v in versions:
+        layout = layout_of(v)
+        whole = {r for r, offer in zip(active, offers) if v in offer and offer[v][1]}
+        live = {r for r, offer in zip(active, offers) if v in offer and offer[v][2]}
+        sizes = {o: n for offer in offers if v in offer for o, n in offer[v][0].items()}
+        dead = [o for o in layout.ranks if o not in whole]
+        if any(o not in sizes for o in dead):
+            continue
+        try:
+            plan(layout, dead, {o: -(-sizes[o] // chunk_bytes) for o in dead}, replication, live)
+            return v
+        except DataLost:
+            continue
+    return versions[0] if versions else None

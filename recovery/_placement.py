@@ -122,7 +122,7 @@ def pieces(layout: Layout, owner: int, n_chunks: int, replication: int) -> list[
 
 
 def plan(layout: Layout, dead: Iterable[int], n_chunks: Mapping[int, int], replication: int,
-         live: set[int], bad: Set[tuple[int, int, int]] = frozenset()) -> dict[tuple[int, int], Piece]:
+         live: Set[int], bad: Set[tuple[int, int, int]] = frozenset()) -> dict[tuple[int, int], Piece]:
     """A live holder for every range of the dead owners: (owner, first chunk) -> the piece to send.
 
     ``live``: ranks that hold their copies of the version; ``bad``: (holder, owner, first)

@@ -376,7 +376,7 @@ def test_the_plan_and_the_relaunch_planner_work_without_starting_anything(tmp_pa
 
 
 def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():
-    from elastic.recovery._store import _newest_whole
+    from elastic.recovery._backing import newest_whole as _newest_whole
     layout = Layout.of({0: "a", 1: "a", 2: "b", 3: "b"})
     asked: list[int] = []
 

@@ -24,8 +24,8 @@ _commit = ReplicatedStore.commit
 def commit(self: ReplicatedStore, state, version: int) -> None:
     _commit(self, state, version)
     if version == AT and self.world.logical_rank == 0:
-        self._settle()  # the holder's checksums (taken in the background) come first, as for a real flip
-        for (owner, _, _), held in sorted(self._current.held.items()):
+        self._sums.settle()  # the holder's checksums (taken in the background) come first, as for a real flip
+        for (owner, _, _), held in sorted(self._chain.current.held.items()):
             if owner == OWNER and held.data.nbytes:
                 held.data[0] ^= 0xFF  # in the store's own memory, as a bit flip would be
 
