@@ -1,9 +1,9 @@
 """torchrun's conventions under elastic: ``torch.distributed.init_process_group()`` with no
 rendezvous of its own makes the World's group.
 
-A light module: ``elastic.init`` installs this for every torch program, and ``elastic.distributed``
-(DCP, DTensor: ~0.6 s to import) is imported only when a program makes the group, never at the
-start of a program that does not, nor after a spare's promotion.
+A light module: ``elastic.init`` installs this for every torch program, and the group's module
+(``_process_group``) is imported only when a program makes the group; ``elastic.distributed``
+(DCP, DTensor: ~0.6 s to import) never by this, nor after a spare's promotion.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _init_process_group(backend: Any = None, init_method: Any = None, timeout: A
         raise ConfigError(f"init_process_group(backend={backend!r}) under elastic: give no backend (the World's "
                           f"{BACKEND!r} group on CPU, NCCL on GPUs), or make the group with "
                           "elastic.distributed.ProcessGroup(world, backend=...)")
-    from .distributed import ProcessGroup  # here: importing it (DCP, DTensor) takes ~0.6 s
+    from ._process_group import ProcessGroup  # here: not at the start of a program that makes no group
 
     seconds = timeout.total_seconds() if timeout is not None else 60.0
     group = ProcessGroup(_SERVED[0], backend="nccl" if name == "nccl" else None, timeout=seconds)

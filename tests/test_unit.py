@@ -322,16 +322,17 @@ def test_a_forged_message_builds_nothing(forged):
         wire.decode(framed.copy())
 
 
-def test_the_layers_meet_only_through_public_modules_and_comm_has_no_import_circle():
+def test_the_layers_meet_only_through_public_modules_and_no_package_has_an_import_circle():
     """elastic uses recovery uses comm, never upwards, never through another package's private
-    module; inside comm no module imports one that imports it (TYPE_CHECKING imports counted)."""
+    module; inside each package no module imports one that imports it (TYPE_CHECKING imports and
+    imports inside functions counted: a lazy import is still a dependency)."""
     import ast
 
     import networkx as nx
     root = Path(__file__).resolve().parents[1]
     package = {"elastic": "elastic", "recovery": "elastic.recovery", "comm": "elastic.comm"}
     below = {"elastic": {"elastic.recovery", "elastic.comm"}, "recovery": {"elastic.comm"}, "comm": set()}
-    wrong, circle = [], nx.DiGraph()
+    wrong, circles = [], {folder: nx.DiGraph() for folder in package}
     for folder, name in package.items():
         for path in sorted((root / folder).glob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
@@ -342,12 +343,24 @@ def test_the_layers_meet_only_through_public_modules_and_comm_has_no_import_circ
                     private = node.module.removeprefix(top).lstrip(".").startswith("_")
                     if top != name and (top not in below[folder] or private):
                         wrong.append(f"{folder}/{path.name}: from {node.module} import ...")
-                if folder == "comm" and isinstance(node, ast.ImportFrom) and node.level == 1:
+                if isinstance(node, ast.ImportFrom) and node.level == 1:
                     for target in [node.module] if node.module else [a.name for a in node.names]:
-                        if (root / "comm" / f"{target.split('.')[0]}.py").exists():
-                            circle.add_edge(path.stem, target.split(".")[0])
+                        if (root / folder / f"{target.split('.')[0]}.py").exists():
+                            circles[folder].add_edge(path.stem, target.split(".")[0])
     assert not wrong
-    assert not list(nx.simple_cycles(circle))
+    assert {folder: list(nx.simple_cycles(graph)) for folder, graph in circles.items()} == \
+        {folder: [] for folder in package}
+
+
+def test_no_function_in_the_recovery_layer_is_over_60_lines():
+    """A function past 60 lines does two jobs (the store's commit, recovery and fetch each were, and
+    became a plan, a chain and an exchange of their own)."""
+    import ast
+    root = Path(__file__).resolve().parents[1]
+    long = [f"recovery/{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted((root / "recovery").glob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert not long
 
 
 def test_every_setting_is_declared_once_and_the_training_layers_live_above_comm():
