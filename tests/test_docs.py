@@ -29,6 +29,21 @@ def test_every_page_links_to_pages_that_exist_and_the_readme_stays_short():
     assert all(blocks(page) for page in PAGES), "a page lost its runnable example"
 
 
+def test_the_readme_names_no_private_module_and_the_docs_nothing_outside_the_repository():
+    """A reader of the README sees the public names only; a clone has every page a page links to
+    (the design lives in docs/extending.md, not beside the repository)."""
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r"elastic(?:\.[a-z]+)*\._[a-z]\w*", readme) == []
+    pages = ["README.md", "CONTRIBUTING.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        text = (ROOT / page).read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text) + re.findall(r"`(\.\./[^`]+)`", text):
+            if "://" in target:
+                continue
+            path = (ROOT / Path(page).parent / target).resolve()
+            assert path.is_relative_to(ROOT) and path.exists(), f"{page} points to {target}, outside the clone"
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("page", PAGES)
