@@ -74,7 +74,7 @@ class Twins(Protocol):
         ...
 
 
-def share_shared(world: Group, lacking: Sequence[int], into: Into) -> None:
+def give_shared(world: Group, lacking: Sequence[int], into: Into) -> None:
     """The values every rank holds alike, from the other active ranks to the logical ranks
     ``lacking`` (collective)."""
     got = share(world, None if int(world.logical_rank) in lacking else into.values().shared, lacking)
@@ -108,7 +108,7 @@ class EveryCommit:
         # its live ones, which later steps changed. (A relaunch finds them in node memory.)
         lacking = _lacking(world, bool(into.restored().shared))
         if lacking:
-            share_shared(world, lacking, into)
+            give_shared(world, lacking, into)
 
 
 class EveryStep:
@@ -159,7 +159,7 @@ class EveryStep:
         self._in_step = False  # the step in flight was abandoned: only local work was left of it
         lacking = _lacking(world, self._holds)
         if lacking:
-            share_shared(world, lacking, into)
+            give_shared(world, lacking, into)
         self._holds = True
 
 
@@ -207,7 +207,7 @@ class TwinSteps(EveryStep):
             lacking_twin = []
         lacking = [r for r, (shared, _) in zip(ranks, told) if not shared]
         if lacking:  # (after a roll-back to the last commit: the survivors' shared values of it)
-            share_shared(world, lacking, into)
+            give_shared(world, lacking, into)
         if lacking_twin:
             got = share_within(world, into.values().twin,
                                {r: [h for h in self._twins.holders(r) if h in live] for r in lacking_twin})

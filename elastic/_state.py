@@ -31,7 +31,7 @@ from ._capture import INDEX, Capture, StepEnd
 from ._clock import StepClock
 from ._gate import Gate, fingerprints
 from ._integrity import NonFinite, digest
-from ._points import Into, Twins, recovery_point, share_shared
+from ._points import Into, Twins, give_shared, recovery_point
 from ._settings import OnNonFinite, Training
 from ._stages import stages
 from ._values import Values
@@ -225,7 +225,7 @@ class State:
             first = everyone[world.job.first_survivor]
             differ = [int(r) for r, sums in zip(world.logical_ranks, everyone) if sums != first]
             if differ:
-                share_shared(world, differ, self._into)
+                give_shared(world, differ, self._into)
             self._commit(program=False)
         self._clock.restart()
 
