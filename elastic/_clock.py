@@ -47,8 +47,10 @@ class StepClock:
         """The clock as a stage of a State's step end (``_stages``)."""
         self.step_done(end.step, end.loss, end.total, **end.metrics)
 
-    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> None:
-        """A step ended (local): its event on rank 0, the progress line when due, the outlook."""
+    def step_done(self, step: int, loss: float | None = None, total: int | None = None, **metrics: Any) -> float:
+        """A step ended (local): its event on rank 0, the progress line when due, the outlook.
+        Returns the step's own work (``own_work``)."""
+        own = self.own_work()
         now = time.perf_counter()
         seconds = now - self._last if self._last is not None else 0.0
         self._last, self._waited = now, self._world.job.waited
@@ -64,6 +66,7 @@ class StepClock:
                 rate = 1 / max(self.outlook.step_seconds or 0.0, 1e-9)
                 _LOG.info("[train] step %s%s%s  %.1f steps/s  %d ranks  generation %d", step, of, shown, rate,
                           world.size, world.generation)
+        return own
 
     def _due(self, step: int, total: int | None) -> bool:
         now = time.monotonic()
