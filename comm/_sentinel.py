@@ -15,7 +15,8 @@ sentinel watches the program (through a page of shared memory, see
 * stops beating for ``hang_timeout`` seconds (SIGSTOP, a frozen process), or
   makes no progress for ``progress_timeout`` seconds (by default 20 times its
   slowest step, at least 120 s; twice that while it waits in MPI for its
-  peers), or misses a deadline it asked for,
+  peers, and counted afresh once such a wait ends), or misses a deadline it
+  asked for,
 
 kills what is left of it and then itself with SIGKILL: the survivors see a
 failure within milliseconds and recover. The program's end wakes the sentinel
@@ -83,6 +84,7 @@ class Sentinel:
         self.seen: dict[str, int | None] = self.page.read()
         self.last_beat: float | None = None      # liveness is armed by the first heartbeat
         self.last_progress = time.monotonic()
+        self.left_wait = 0.0                     # when it last left a wait for its peers
         self.slowest = 0.0                       # the longest the program went between two steps, armed
         self.steps_seen = 0
         self.announced_at: float | None = None
@@ -132,20 +134,30 @@ class Sentinel:
         while self.child.poll() is None:
             now = time.monotonic()
             page = self.page.read()
-            if page["beat"] != self.seen["beat"]:
-                self.last_beat = now
-            if page["progress"] != self.seen["progress"]:
-                if page["armed"] and self.seen["armed"]:  # a parked spare's wait, or a restart, is no step
-                    self.slowest, self.steps_seen = max(self.slowest, now - self.last_progress), self.steps_seen + 1
-                self.last_progress = now
-            if page["exit"] is not None and self.announced_at is None:
-                self.announced_at = now
-            self.seen = page
+            self._saw(now, page)
             verdict = self._verdict(now, page)
             if verdict is not None:
                 return verdict
             ended(POLL_SECONDS)
         return None
+
+    def _saw(self, now: float, page: dict[str, int | None]) -> None:
+        """What the page says since the last look (local)."""
+        seen = self.seen
+        if page["beat"] != seen["beat"]:
+            self.last_beat = now
+        if page["progress"] != seen["progress"]:
+            if page["armed"] and seen["armed"]:  # a parked spare's wait, or a restart, is no step
+                self.slowest, self.steps_seen = max(self.slowest, now - self.last_progress), self.steps_seen + 1
+            self.last_progress = now
+        if seen["waiting"] and not page["waiting"]:
+            # A wait for its peers ended (a stuck peer died, or a revoke came): the program's own time
+            # starts now, not at its last step. Else a survivor that waited out the stuck peer's bound
+            # is itself "without progress" in the moment before its recovery marks progress (seen).
+            self.left_wait = now
+        if page["exit"] is not None and self.announced_at is None:
+            self.announced_at = now
+        self.seen = page
 
     def _verdict(self, now: float, page: dict[str, int | None]) -> str | None:
         if self.announced_at is not None:
@@ -156,7 +168,8 @@ class Sentinel:
             return "hung"
         # A rank waiting in MPI for a stuck peer gets twice as long: the stuck one dies first.
         timeout = self.progress_bound()
-        if timeout and page["armed"] and now - self.last_progress > timeout * (2 if page["waiting"] else 1):
+        quiet = now - max(self.last_progress, self.left_wait)
+        if timeout and page["armed"] and quiet > timeout * (2 if page["waiting"] else 1):
             return "no-progress"
         if page["deadline"] is not None and time.monotonic_ns() > page["deadline"]:
             return "deadline"

@@ -262,6 +262,28 @@ def test_with_no_progress_timeout_given_a_stall_is_bounded_by_the_jobs_own_steps
     assert _sentinel.Sentinel(["true"], Config(progress_timeout=7.0)).progress_bound() == 7.0
 
 
+def test_a_rank_that_waited_out_a_stuck_peer_gets_the_progress_bound_afresh_once_its_wait_ends():
+    """A survivor waits in MPI for a stalled peer (twice the bound), the peer is killed at the bound,
+    and the survivor's wait ends; until its recovery marks progress it has made none since its last
+    step, the bound's length ago. It is the victim: its own time starts when the wait ends (it was
+    killed with the stalled peer under load, a chaos run's second death)."""
+    from elastic.comm import _sentinel
+    watch = _sentinel.Sentinel(["true"], Config(progress_timeout=5.0))
+    page = dict(watch.seen, armed=1, progress=1, waiting=0)
+    t0 = watch.last_progress
+    watch._saw(t0, page)                                          # the last step
+    waiting = dict(page, waiting=1)
+    watch._saw(t0 + 0.1, waiting)
+    assert watch._verdict(t0 + 9.0, waiting) is None              # waiting: twice the bound
+    done = dict(page, waiting=0)
+    watch._saw(t0 + 5.2, done)                                    # the stuck peer died: the wait ended
+    assert watch._verdict(t0 + 5.3, done) is None
+    assert watch._verdict(t0 + 10.3, done) == "no-progress"       # then stuck itself: its own bound
+    stuck = _sentinel.Sentinel(["true"], Config(progress_timeout=5.0))
+    stuck._saw(t0, page)
+    assert stuck._verdict(t0 + 5.3, page) == "no-progress"        # never waiting: the bound from its step
+
+
 def test_slurm_allocation_becomes_hosts_and_slots(tmp_path):
     assert launch.slurm_slots("2(x3),1", ["a", "b", "c", "d"]) == [("a", 2), ("b", 2), ("c", 2), ("d", 1)]
     with pytest.raises(SystemExit, match="does not match"):
