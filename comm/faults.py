@@ -6,7 +6,8 @@ the compact form ``RANK@WHERE[:ACTION][/gGEN]`` joined by commas, e.g.
 ``1@3`` (kill logical rank 1 at step 3), ``1@3,2@3`` (two at once), ``1@12.1``
 (at the second micro-batch of step 12: gradient accumulation),
 ``2@c5:hang`` (hang in the middle of step 5's collective), ``1@g5`` (die inside
-step 5's first all-gather: FSDP2's forward), ``1@u5`` (die inside step 5's
+step 5's first all-gather: FSDP2's forward), ``1@p5`` (inside step 5's first point-to-point
+transfer: a pipeline's activation; ``1@p5.4`` its fifth), ``1@u5`` (die inside step 5's
 optimizer step, past its per-step recovery point if it has one), ``3@rebuild/g0``
 (die in the middle of the first rebuild), ``1@commit4`` (die in the middle
 of the commit of version 4), ``2@restore`` (die while sending recovery data),
@@ -18,6 +19,9 @@ the data sampler's micro-batch of the step),
 ``collective`` (inside ``world.allreduce`` or ``world.mpi.Allgather`` after the exchange started;
 on the ``ulfm`` process group, its first reduction: DDP's all-reduce, FSDP2's reduce-scatter),
 ``gather`` (the ``ulfm`` process group's first all-gather of the step: FSDP2's forward),
+``p2p`` (a point-to-point transfer on the ``ulfm`` process group, posted and in flight: torch's
+pipeline schedules' activations and gradients; ``R@pS`` the first of step S on that rank, ``R@pS.M``
+its (M+1)-th, each send or receive counting one),
 ``update`` (inside a torch optimizer's ``step()``; with a per-step recovery point, once the point
 passed, whose twin or store already holds what the step makes),
 ``commit`` / ``restore`` (inside the replicated store's transfers),
@@ -61,12 +65,12 @@ __all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POI
            "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "gather", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
+POINTS = ("step", "collective", "gather", "p2p", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
 ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm", "warm-stop")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
 QUIET_ACTIONS = DATA_ACTIONS + ("warm", "warm-stop")  # the process goes on: no outcome is written for them
-STEP_POINTS = ("step", "collective", "gather", "update", "commit")
-LOOP_POINTS = ("step", "collective", "gather", "update")  # inside a step the loop tells
+STEP_POINTS = ("step", "collective", "gather", "p2p", "update", "commit")
+LOOP_POINTS = ("step", "collective", "gather", "p2p", "update")  # inside a step the loop tells
 EXIT_CODE = 3  # what the ``exit`` action exits with
 
 
@@ -97,9 +101,10 @@ class Injection:
         if self.action == "slow" and not self.factor > 1:
             raise ConfigError(f"fault injection 'slow' with factor {self.factor:g}: write slow=X with X > 1, "
                               "e.g. '2@10:slow=3' (logical rank 2 runs 3 times slower from step 10)")
-        if self.micro is not None and (self.point != "step" or self.micro < 0):
+        if self.micro is not None and (self.point not in ("step", "p2p") or self.micro < 0):
             raise ConfigError(f"fault injection micro-batch {self.micro} at point {self.point!r}: a micro-batch is "
-                              "one of a step's, counting from 0, e.g. '1@12.1' (the second of step 12)")
+                              "one of a step's, counting from 0, e.g. '1@12.1' (the second of step 12), and "
+                              "'1@p12.3' the fourth point-to-point transfer of step 12")
         if self.action in DATA_ACTIONS and self.point != "step":
             raise ConfigError(f"fault injection {self.action!r} at point {self.point!r}: data faults are armed at "
                               "a step, e.g. '1@20:nan'")
@@ -158,6 +163,9 @@ def _parse_compact(item: str) -> Injection:
         return Injection(int(rank_text), int(where[1:]), "gather", action, gen, factor)
     if where.startswith("u"):
         return Injection(int(rank_text), int(where[1:]), "update", action, gen, factor)
+    if where.startswith("p"):  # the first transfer of the step unless a later one is named
+        step_text, _, index = where[1:].partition(".")
+        return Injection(int(rank_text), int(step_text), "p2p", action, gen, factor, int(index or 0))
     step, _, micro = where.partition(".")
     return Injection(int(rank_text), int(step), "step", action, gen, factor, int(micro) if micro else None)
 

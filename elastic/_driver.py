@@ -68,12 +68,25 @@ def drive(world: Recoverable, policy: StepPolicy[T]) -> T:
         except NonFinite as exc:  # agreed: the same on every rank; nothing to rebuild
             non_finite = exc
         except Exception as exc:
-            if not isinstance(exc, ProcessFailure) and not any(seen(exc) for seen, _ in _DATA_PLANES):
+            if not peer_failed(exc):
                 raise
             for _, abort in _DATA_PLANES:
                 abort()
             policy.failed(world.recover(policy.outlook))
             reset = True
+
+
+def peer_failed(exc: BaseException) -> bool:
+    """``exc``, or an error it was raised from or while handling, is a peer's failure (local):
+    torch's pipeline stages raise their own ``RuntimeError`` from what failed in a forward or backward."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ProcessFailure) or any(failed(error) for failed, _ in _DATA_PLANES):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def check_streak(rebuild: Rebuild | None, in_a_row: int, limit: int) -> None:

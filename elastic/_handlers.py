@@ -75,6 +75,26 @@ class Stateful(Handler):
 
     def apply(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
         self.value.load_state_dict(join_value(name, arrays, self.value.state_dict()))
+        if hasattr(self.value, "param_groups"):
+            _shard_like_params(self.value)
+
+
+def _shard_like_params(optimizer: Any) -> None:
+    """An optimizer's state loaded into one that had none yet (a replacement's, from its twin):
+    each state tensor of a DTensor parameter (FSDP2, tensor parallel) becomes a DTensor laid out
+    as the parameter, as the optimizer's own first step makes it (local: no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            state = optimizer.state.get(param, {})
+            local = param.to_local()
+            for key, value in state.items():
+                if is_tensor(value) and not isinstance(value, DTensor) and value.shape == local.shape:
+                    state[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                    shape=param.shape, stride=param.stride())
 
 
 class Tree(Handler):

@@ -194,6 +194,35 @@ class MPIGroup(dist.ProcessGroup):
         self._one("Ibarrier")
         return _work([])
 
+    # ------------------------------------------------------- point to point
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:
+        """``dist.isend`` / ``dist.send`` / a ``P2POp`` of ``batch_isend_irecv`` (torch's pipeline
+        schedules): posted at once, waited for in the ``Work``'s ``wait()``."""
+        bufs = [_Buffer(t) for t in tensors]
+        return self._post(lambda comm, peer: [comm.Isend(b.array, peer, _tag(tag)) for b in bufs], dstRank, [])
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:
+        bufs = [_Buffer(t) for t in tensors]
+        return self._post(lambda comm, peer: [comm.Irecv(b.array, peer, _tag(tag)) for b in bufs], srcRank, bufs)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        raise ValueError(f"the {BACKEND} process group receives from a named rank only: pass src (or group_src) "
+                         "to dist.recv / dist.irecv")
+
+    def _post(self, start: Callable[[MPI.Intracomm, int], list[MPI.Request]], peer: int,
+              received: list[_Buffer]) -> Any:
+        """Post one side of a transfer with group rank ``peer``, the World's ``p2p`` fault point of its
+        step with it in flight (``1@p20``: the first transfer of step 20 on logical rank 1, ``1@p20.5``
+        its sixth); the ``Work`` waits for it."""
+        if not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(f"point-to-point with group rank {peer} from group rank {self.rank()} of a group of "
+                             f"{self.size()}: name another rank of the group")
+        comm = self._comm()
+        with self._world.mpi.guard():
+            requests = start(comm, peer)
+        _fire_transfer(self._world)
+        return _Transfer(self._world, requests, received)
+
     # torch's older names for the same calls (C++ callers and torch < 2.13 use them)
     _allgather_base = all_gather_single
     _reduce_scatter_base = reduce_scatter_single
@@ -208,12 +237,7 @@ class MPIGroup(dist.ProcessGroup):
         a reduction (DDP's all-reduce, FSDP2's reduce-scatter: ``1@c20`` stops rank 1 inside step
         20's first one), ``gather`` in an all-gather (FSDP2's forward: ``1@g20``)."""
         world = self._world
-        comm = world.mpi.comm
-        if comm is not self._checked:  # a new generation's communicator
-            self._check_shape()
-            self._checked = comm
-        if self._ranks is not None:
-            comm = world.mpi.part(self._ranks)
+        comm = self._comm()
         with world.mpi.guard():
             requests = start(comm)
             try:
@@ -223,6 +247,15 @@ class MPIGroup(dist.ProcessGroup):
             except BaseException:
                 _abandoned.append(requests)  # MPI may still write their buffers (they hold them): never freed
                 raise
+
+    def _comm(self) -> MPI.Intracomm:
+        """This generation's communicator of the group's ranks (its shape checked once per generation)."""
+        world = self._world
+        comm = world.mpi.comm
+        if comm is not self._checked:  # a new generation's communicator
+            self._check_shape()
+            self._checked = comm
+        return comm if self._ranks is None else world.mpi.part(self._ranks)
 
     def _one(self, call: str, *args: Any, **kwargs: Any) -> None:
         """``_run`` of one non-blocking call of the communicator, by name."""
@@ -271,6 +304,56 @@ class _Buffer:
         if self._copy is not None:
             back = self._copy.view(self.tensor.dtype) if self._copy.dtype == torch.int16 else self._copy
             self.tensor.copy_(back.view(self.tensor.shape))
+
+
+class _Transfer(dist._Work):  # type: ignore[misc, name-defined]  # torch's Python-side Work
+    """The ``Work`` of a posted send or receive: ``wait()`` waits for it under the World's guard (a
+    peer's death or a revoke: ``ProcessFailure``, the requests abandoned, never freed) and writes a
+    receive's copies back."""
+
+    def __init__(self, world: World, requests: list[MPI.Request], received: list[_Buffer]) -> None:
+        super().__init__()
+        self._world, self._requests, self._received = world, requests, received
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            with self._world.mpi.guard():
+                try:
+                    MPI.Request.Waitall(self._requests)
+                except BaseException:
+                    _abandoned.append(self._requests)
+                    raise
+            for b in self._received:
+                b.done()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done
+
+
+_P2P_TAGS = 1 << 20  # torch's tags, apart from the World's own messages on its communicator
+_transfers: list[Any] = [None, 0]  # (generation, step) of this process's last transfer, and its count there
+
+
+def _tag(tag: int) -> int:
+    if not 0 <= tag < _P2P_TAGS:
+        raise ValueError(f"point-to-point tag {tag}: the {BACKEND} process group takes tags 0 .. {_P2P_TAGS - 1}")
+    return _P2P_TAGS + tag
+
+
+def _fire_transfer(world: World) -> None:
+    """The ``p2p`` fault point of one posted transfer: numbered within its step on this process."""
+    step = world.job.step
+    if _transfers[0] != (world.generation, step):
+        _transfers[:] = [(world.generation, step), 0]
+    index = _transfers[1]
+    _transfers[1] += 1
+    world.fault_point(step, "p2p", micro=index)
 
 
 def _reduce_op(opts: Any) -> Any:

@@ -34,13 +34,14 @@ INJECT_HELP = (
     "{rank, step, point, action, gen, factor, micro}. WHERE: a step S (the loop's step point), S.M (the M-th "
     "micro-batch of step S, from 0: GlobalBatchSampler with accumulation), cS (inside step S's "
     "collective: its first reduction, DDP's all-reduce or FSDP2's reduce-scatter), gS (inside step S's first "
-    "gather: FSDP2's forward all-gather), uS (inside step S's update: the optimizer's step, past its per-step "
+    "gather: FSDP2's forward all-gather), pS (inside step S's first point-to-point transfer on the ulfm group: a "
+    "pipeline's activation or gradient; pS.M its M-th, from 0, each send or receive one), uS (inside step S's update: the optimizer's step, past its per-step "
     "recovery point if it has one), commitV (inside the commit of version V), agree, rebuild, restore, spawn, "
     "finish; sK@park "
     "for the K-th parked spare; nodeK@S on --simulate-nodes. ACTION: kill (default), exit, raise, hang (SIGSTOP), "
     "stall, node, runtime, warm (kill the warm process), warm-stop (SIGSTOP it), nan, bitflip, slow=X. GEN: "
     "the generation it fires in "
-    "(default 0). E.g. 1@10, 1@10,2@10, 1@10.1, 2@c5:hang, 1@g5, 3@rebuild/g1, 1@20:nan, 2@10:slow=3")
+    "(default 0). E.g. 1@10, 1@10,2@10, 1@10.1, 2@c5:hang, 1@g5, 1@p5.2, 3@rebuild/g1, 1@20:nan, 2@10:slow=3")
 
 
 @dataclasses.dataclass(frozen=True)

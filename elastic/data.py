@@ -50,10 +50,14 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
             comes as that many pieces in a row (the loop steps the optimizer after each
             ``accumulation``-th, ``no_sync`` for the others). Steps, the State's step and the fault
             schedule's ``R@S`` all count optimizer steps.
+        share: this rank's part of a global batch (default: split among the world's ranks, this
+            rank's piece); a mesh's ranks that take the same part pass ``Mesh.shard`` (each
+            data-parallel replica's piece, alike on its pipeline and tensor-parallel ranks).
     """
 
     def __init__(self, world: Group, num_samples: int, global_batch: int, *, step: Callable[[], int],
-                 seed: int = 0, accumulation: int = 1) -> None:
+                 seed: int = 0, accumulation: int = 1,
+                 share: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         if not 0 < global_batch <= num_samples:
             raise ConfigError(f"global_batch={global_batch} with {num_samples} samples: "
                               "need 0 < global_batch <= samples")
@@ -63,6 +67,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.accumulation = accumulation
         self.steps_per_epoch = num_samples // global_batch
         self._step = step
+        self._share = share
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation), drawn once
 
     def epoch_of(self, step: int) -> tuple[int, int]:
@@ -78,7 +83,10 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def shard(self, step: int) -> list[int]:
         """This rank's part of global batch ``step`` in the current world (local)."""
-        return np.array_split(self.batch(step), self.world.size)[self.world.rank].tolist()
+        batch = self.batch(step)
+        if self._share is not None:
+            return np.asarray(self._share(batch)).tolist()
+        return np.array_split(batch, self.world.size)[self.world.rank].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         # A DataLoader makes its iterator by calling this, then draws its workers' base seed from
