@@ -354,62 +354,150 @@ def plain(args: argparse.Namespace, data: torch.utils.data.TensorDataset) -> int
     return 0
 
 
+class Resilient:
+    """The program on the World: the twins' mesh, this rank's stages on the (pp, dp, fsdp, tp) mesh of
+    the replicas in use, made again after a shrink.
+
+    A shrink takes the lost rank's replica out of use (``mesh_policy``): the replicas left carry the
+    global batch on a mesh of their own, each rank's slices and optimizer state moved onto it
+    (the same local shards: only the replicate dimension shrank). A surviving rank of the replica
+    taken out computes nothing but keeps its slices in step, a twin to the end: the twin of its
+    slot in the first replica in use sends it the step's clipped gradient slices and it takes the
+    same optimizer step."""
+
+    def __init__(self, args: argparse.Namespace, world: Any, data: torch.utils.data.TensorDataset) -> None:
+        import elastic
+        import elastic.distributed
+        from elastic.data import GlobalBatchSampler
+        from elastic.mesh import Mesh
+
+        check(args, world.job.initial_size)
+        self.args, self.world, self.layout = args, world, Layout(args)
+        self.p, self.d, self.f, self.t = self.layout.coords(int(world.logical_rank))
+        torch.manual_seed(1000 + self.d * args.pp + self.p)  # dropout: alike along tp (replicated activations)
+        self.group = elastic.distributed.ProcessGroup(world)
+        self.twins = Mesh(world, args.dp, self.layout.slots)  # a slot's replicas: its twins
+        self.modules: list[nn.Module] = []
+        self.size = 0  # the World's size the mesh is made for
+        self.build()
+        self.optimizer = torch.optim.AdamW([q for m in self.modules for q in m.parameters()], lr=args.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(args))
+        self.state = elastic.TorchState(world, model=self.model, optimizer=self.optimizer, scheduler=scheduler,
+                                        per_step=True, shard_optimizer=True, twins=self.twins, twinned=("model",),
+                                        step=0, loss=float("nan"))
+        sampler = GlobalBatchSampler(world, len(data), args.batch, step=lambda: self.state.step, seed=args.seed,
+                                     share=lambda batch: self.layout.share(batch, self.twins.in_use, self.d, self.f))
+        self.loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+        stages = args.pp * len(self.modules)
+        self.first, self.last = self.p == 0, self.p + (len(self.modules) - 1) * args.pp == stages - 1
+
+    @property
+    def model(self) -> nn.Module:
+        return self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
+
+    def build(self) -> None:
+        """The mesh of the replicas in use (every rank makes it) and, on a rank that trains, its
+        stage modules on it, their slices and optimizer state those it held, if any."""
+        self.group.group  # noqa: B018  (the default group of this shape, which the mesh's groups divide)
+        self.mesh = self.layout.device_mesh(self.twins.rank_of, self.twins.in_use)
+        self.size = self.world.size
+        if not self.twins.working:
+            return  # out of use: it keeps its slices on the old mesh (its updates are local)
+        olds = [q for m in self.modules for q in m.parameters()]
+        self.modules = build(self.args, self.mesh, self.p)
+        if olds:  # after a shrink: the same local slices, on the new mesh
+            moved: dict[Any, dict[str, Any]] = {}
+            news = [q for m in self.modules for q in m.parameters()]
+            at = {id(q): i for i, q in enumerate(olds)}
+            with torch.no_grad():
+                for new, old in zip(news, olds):
+                    new.to_local().copy_(old.to_local())
+                    moved[new] = {key: like(new, value) for key, value in self.optimizer.state[old].items()}
+            for group in self.optimizer.param_groups:  # the same optimizer (the scheduler's, the State's)
+                group["params"] = [news[at[id(q)]] for q in group["params"]]
+            self.optimizer.state.clear()
+            self.optimizer.state.update(moved)
+            self.state.bind("", self.model, self.optimizer)
+
+    def pass_gradients(self) -> None:
+        """Each slot's clipped gradient slices, from its twin in the first replica in use to the
+        surviving ranks of the replicas out of use (point to point; none before a shrink)."""
+        twins, world = self.twins, self.world
+        idle = [(rank, int(k)) for rank, k in enumerate(world.logical_ranks) if int(k) // twins.pp not in twins.in_use]
+        if not idle:
+            return
+        params = [q for m in self.modules for q in m.parameters()]
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        grads = [(q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad).detach().numpy() for q in params]
+        if twins.working and twins.replica == twins.in_use[0]:
+            world.neighbors([(rank, i, g) for rank, k in idle if k % twins.pp == twins.stage
+                             for i, g in enumerate(grads)], [])
+        elif not twins.working:
+            sender = twins.rank_of(twins.in_use[0], twins.stage)
+            world.neighbors([], [(sender, i, g) for i, g in enumerate(grads)])
+
+    def train(self) -> float:
+        import elastic
+
+        args, twins = self.args, self.twins
+
+        @elastic.run
+        def train(world: elastic.World, state: elastic.TorchState) -> float:
+            if self.size != world.size:  # a shrink: the replicas left, on a mesh of their own
+                self.build()
+            # this generation's stages and schedule: their groups looked up anew (cheap: the same modules)
+            schedule = schedule_for(args, self.mesh, self.modules, self.p, len(twins.in_use) * args.fsdp) \
+                if twins.working else None
+            batches = iter(self.loader) if twins.working else None
+            while state.step < args.steps:
+                loss = 0.0
+                if batches is not None:
+                    tokens = next(batches, None)
+                    if tokens is None:  # the epoch's end: the sampler goes on with the next
+                        batches = iter(self.loader)
+                        tokens = next(batches)
+                    for m in self.modules:
+                        m.zero_grad()
+                    loss = one_step(args, schedule, tokens[0], self.first, self.last)
+                    clip(self.modules, self.mesh["pp"].get_group(), args.max_norm)
+                self.pass_gradients()
+                tally = np.array([loss if self.last and self.t == 0 and twins.working else 0.0])
+                world.allreduce([tally])  # the global loss, before the update (nothing collective after it)
+                self.optimizer.step()
+                state.scheduler.step()
+                state.step += 1
+                state.loss = float(tally[0]) / args.microbatches / len(twins.in_use) / args.fsdp
+                state.record_step(state.step, state.loss, total=args.steps)
+                if args.commit_every and state.step % args.commit_every == 0:
+                    state.commit()
+            return state.loss
+
+        return train(self.world, self.state)
+
+
+def like(param: torch.Tensor, value: Any) -> Any:
+    """An optimizer state value of another parameter laid out as ``param`` (the same local slice)."""
+    if isinstance(value, DTensor) and isinstance(param, DTensor):
+        return DTensor.from_local(value.to_local(), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
 def resilient(args: argparse.Namespace, data: torch.utils.data.TensorDataset) -> int:
     import elastic
-    import elastic.distributed
-    from elastic.data import GlobalBatchSampler
-    from elastic.mesh import Mesh, mesh_policy
+    from elastic.mesh import mesh_policy
 
     world = elastic.init(policy=mesh_policy(args.dp, copies=True))
-    check(args, world.job.initial_size)
-    layout = Layout(args)
-    p, d, f, t = layout.coords(int(world.logical_rank))
-    torch.manual_seed(1000 + d * args.pp + p)  # dropout: alike along tp (replicated activations), else apart
-    group = elastic.distributed.ProcessGroup(world)
-    twins = Mesh(world, args.dp, layout.slots)  # a slot's replicas: its twins
-    group.group  # noqa: B018  (the default group of this generation, which the mesh's groups divide)
-    mesh = layout.device_mesh(twins.rank_of, twins.in_use)
-    modules = build(args, mesh, p)
-    optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
-    model = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    state = elastic.TorchState(world, model=model, optimizer=optimizer, scheduler=scheduler, per_step=True,
-                               shard_optimizer=True, twins=twins, twinned=("model",), step=0, loss=float("nan"))
-    sampler = GlobalBatchSampler(world, len(data), args.batch, step=lambda: state.step, seed=args.seed,
-                                 share=lambda batch: layout.share(batch, twins.in_use, d, f))
-    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
-    stages = args.pp * len(modules)
-    first, last = p == 0, (p + (len(modules) - 1) * args.pp) == stages - 1
-
-    @elastic.run
-    def train(world: elastic.World, state: elastic.TorchState) -> float:
-        # this generation's: the stages' groups looked up anew
-        schedule = schedule_for(args, mesh, modules, p, len(twins.in_use) * args.fsdp)
-        pp_group = mesh["pp"].get_group()
-        for (tokens,) in loader:
-            if state.step >= args.steps:
-                break
-            for m in modules:
-                m.zero_grad()
-            loss = one_step(args, schedule, tokens, first, last)
-            norm = clip(modules, pp_group, args.max_norm)
-            tally = np.array([loss if last and t == 0 else 0.0])
-            world.allreduce([tally])  # the global loss, before the update (nothing collective after it)
-            optimizer.step()
-            state.scheduler.step()
-            state.step += 1
-            state.loss = float(tally[0]) / args.microbatches / len(twins.in_use) / args.fsdp
-            state.record_step(state.step, state.loss, total=args.steps, grad_norm=norm)
-            if args.commit_every and state.step % args.commit_every == 0:
-                state.commit()
-        return state.loss
-
-    loss = train(world, state)
-    print(f"digest {int(world.logical_rank)} {digest(modules, optimizer)}", flush=True)
+    job = Resilient(args, world, data)
+    loss = job.train()
+    print(f"digest {int(world.logical_rank)} {digest(job.modules, job.optimizer)}", flush=True)
     if world.rank == 0:
-        world.events.emit("result", steps=state.step, size=world.size, generation=world.generation,
-                          final_loss=loss, logical_ranks=[int(r) for r in world.logical_ranks])
-        print(f"[llama3d] done: {state.step} steps, loss {loss:.6f}", flush=True)
+        world.events.emit("result", steps=job.state.step, size=world.size, generation=world.generation,
+                          final_loss=loss, logical_ranks=[int(r) for r in world.logical_ranks],
+                          in_use=job.twins.in_use)
+        print(f"[llama3d] done: {job.state.step} steps, loss {loss:.6f}", flush=True)
     return 0
 
 
