@@ -65,7 +65,8 @@ __all__ = ["Injection", "InjectedFault", "FaultInjector", "parse_schedule", "POI
            "INJECT_ENV"]
 
 INJECT_ENV = "ELASTIC_INJECT"
-POINTS = ("step", "collective", "gather", "p2p", "update", "commit", "agree", "rebuild", "restore", "spawn", "park", "finish")
+POINTS = ("step", "collective", "gather", "p2p", "update", "commit", "agree", "rebuild", "restore", "spawn", "park",
+          "finish")
 ACTIONS = ("kill", "exit", "raise", "hang", "stall", "node", "runtime", "nan", "bitflip", "slow", "warm", "warm-stop")
 DATA_ACTIONS = ("nan", "bitflip", "slow")  # armed for the layers above (``FaultInjector.data_fault``), no process dies
 QUIET_ACTIONS = DATA_ACTIONS + ("warm", "warm-stop")  # the process goes on: no outcome is written for them

@@ -306,7 +306,7 @@ class _Buffer:
             self.tensor.copy_(back.view(self.tensor.shape))
 
 
-class _Transfer(dist._Work):  # type: ignore[misc, name-defined]  # torch's Python-side Work
+class _Transfer(dist._Work):  # torch's Python-side Work
     """The ``Work`` of a posted send or receive: ``wait()`` waits for it under the World's guard (a
     peer's death or a revoke: ``ProcessFailure``, the requests abandoned, never freed) and writes a
     receive's copies back."""

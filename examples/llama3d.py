@@ -318,6 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit-every", type=int, default=0,
                         help="commit every N steps (the way back when every twin of a slice dies; 0: never)")
+    parser.add_argument("--replication", type=int, default=2,
+                        help="copies of each rank's own values (RNG states, step) in peers' memory, its own included")
     parser.add_argument("--plain", action="store_true", help="torchrun + Gloo, no fault tolerance (the baseline)")
 
 
@@ -384,7 +386,7 @@ class Resilient:
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(args))
         self.state = elastic.TorchState(world, model=self.model, optimizer=self.optimizer, scheduler=scheduler,
                                         per_step=True, shard_optimizer=True, twins=self.twins, twinned=("model",),
-                                        step=0, loss=float("nan"))
+                                        replication=args.replication, step=0, loss=float("nan"))
         sampler = GlobalBatchSampler(world, len(data), args.batch, step=lambda: self.state.step, seed=args.seed,
                                      share=lambda batch: self.layout.share(batch, self.twins.in_use, self.d, self.f))
         self.loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)

@@ -1,7 +1,11 @@
 """One-process tests of the training layer: policy decisions, state values, batches, the report."""
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -512,3 +516,38 @@ def test_an_unknown_process_group_backend_is_refused_naming_the_ones_there_are()
 
     with pytest.raises(ConfigError, match="use 'ulfm'.*'gloo', or 'nccl'"):
         ProcessGroup(SimJob(1).rank(0), backend="mpi")
+
+
+# ------------------------------------------------- examples/llama3d.py: bad input, before the first step
+
+
+def _llama3d():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import llama3d
+    return llama3d
+
+
+def _llama3d_args(**changes) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _llama3d().add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **changes})
+
+
+@pytest.mark.parametrize("changes, size, says", [
+    ({}, 6, "launch with -n 4"),
+    ({"layers": 3}, 4, "give --layers a multiple of 2"),
+    ({"layers": 6, "schedule": "interleaved"}, 4, "give --layers a multiple of 4"),
+    ({"tp": 3}, 12, "--tp 3 must divide --heads 4"),
+    ({"batch": 12}, 4, "give a multiple of 8"),
+])
+def test_a_mesh_that_does_not_fit_is_a_clear_error_before_the_first_step(changes, size, says):
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        _llama3d().check(_llama3d_args(**changes), size)
+
+
+def test_a_schedule_torch_does_not_have_is_refused_by_name(capsys):
+    parser = argparse.ArgumentParser()
+    _llama3d().add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--schedule", "zerobubble"])
+    assert "invalid choice: 'zerobubble'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from elastic import launch
 from elastic.comm import Config, ConfigError, CurrentRank, LogicalRank, ProcessFailure, Unrecoverable
-from elastic.comm.faults import Injection, parse_schedule
+from elastic.comm.faults import FaultInjector, Injection, parse_schedule
 from elastic.comm import _rebuild
 from elastic.comm._errors import translate
 
@@ -26,6 +26,21 @@ def test_compact_schedule():
         Injection(1, 7, "gather", "kill", 2),
         Injection(2, 8, "update", "kill", 0),
     )
+
+
+def test_a_point_to_point_entry_names_the_transfer_of_its_step():
+    assert parse_schedule("3@p12, 1@p6.4:hang") == (
+        Injection(3, 12, "p2p", "kill", 0, micro=0),   # the first transfer of step 12
+        Injection(1, 6, "p2p", "hang", 0, micro=4),    # the fifth
+    )
+    fired = []
+    injector = FaultInjector(parse_schedule("1@p6.4"), lambda entry: None, act=lambda entry, where: fired.append(where))
+    for index in range(6):
+        injector.point("p2p", 1, 0, 6, micro=index)
+    injector.point("p2p", 1, 0, 7, micro=4)
+    assert len(fired) == 1 and "p2p step=6" in fired[0]
+    with pytest.raises(ConfigError, match="point-to-point transfer"):
+        Injection(1, 6, "collective", micro=2)
 
 
 def test_json_schedule_inline_and_file(tmp_path):

@@ -117,3 +117,26 @@ def test_a_mis_sized_output_is_a_clear_error_on_every_rank(world, group):
     with pytest.raises(ValueError, match="size it group size x chunk"):
         dist.all_gather_single(torch.empty(world.size * 2 + 1), torch.ones(2))
     dist.barrier()  # nothing was left in flight: the group goes on
+
+
+@pytest.mark.mpi(min_size=2)
+def test_point_to_point_moves_tensors_in_a_ring_in_any_order_of_the_batch(world, group):
+    n, r = world.size, world.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    got, half = torch.empty(3), torch.empty(2, dtype=torch.bfloat16)
+    # every rank sends before it receives: posted at once, waited for in the Works (no deadlock)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(r)), right),
+                                    dist.P2POp(dist.isend, torch.full((2,), r + 0.5, dtype=torch.bfloat16), right),
+                                    dist.P2POp(dist.irecv, got, left), dist.P2POp(dist.irecv, half, left)])
+    for work in works:
+        work.wait()
+    assert got.tolist() == [float(left)] * 3 and half.tolist() == [left + 0.5] * 2
+    strided = torch.zeros(4, 6)[:, ::2]  # received into a copy, written back into the view
+    if r == 0:
+        dist.send(torch.arange(12.0).view(4, 3), dst=1, tag=5)
+    elif r == 1:
+        dist.recv(strided, src=0, tag=5)
+        assert strided.reshape(-1).tolist() == list(range(12))
+    with pytest.raises(ValueError, match="from a named rank"):
+        dist.irecv(torch.empty(1))
+    dist.barrier()
