@@ -34,7 +34,7 @@ INJECT_HELP = (
     "{rank, step, point, action, gen, factor, micro}. WHERE: a step S (the loop's step point), S.M (the M-th "
     "micro-batch of step S, from 0: GlobalBatchSampler with accumulation), cS (inside step S's "
     "collective: its first reduction, DDP's all-reduce or FSDP2's reduce-scatter), gS (inside step S's first "
-    "gather: FSDP2's forward all-gather), pS (inside step S's first point-to-point transfer on the ulfm group: a "
+    "gather: FSDP2's forward all-gather), pS (p2p: inside step S's first point-to-point transfer on the ulfm group: a "
     "pipeline's activation or gradient; pS.M its M-th, from 0, each send or receive one), uS (inside step S's "
     "update: the optimizer's step, past its per-step "
     "recovery point if it has one), commitV (inside the commit of version V), agree, rebuild, restore, spawn, "

@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import math
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -295,6 +296,25 @@ def digest(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+class Rate:
+    """Steps per second from the end of step 2 to the last, and when the first step ended (what
+    ``scripts/bench_3d.py`` reads)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.start, self.first = steps, 0.0, 0.0
+
+    def tick(self, done: int) -> None:
+        if done == 1:
+            self.first = time.time()
+        if done == 2:
+            self.start = time.perf_counter()
+
+    def say(self, rank: int) -> None:
+        if rank == 0 and self.start and self.steps > 2:
+            print(f"rate {(self.steps - 2) / (time.perf_counter() - self.start):.4f} steps/s", flush=True)
+            print(f"first_step_at {self.first:.3f}", flush=True)
+
+
 # ------------------------------------------------------------------------------------ the runs
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=2)
@@ -338,6 +358,7 @@ def plain(args: argparse.Namespace, data: torch.utils.data.TensorDataset) -> int
     stages = args.pp * len(modules)
     first, last = p == 0, (p + (len(modules) - 1) * args.pp) == stages - 1
     order = np.random.default_rng([args.seed, 0]).permutation(len(data))  # GlobalBatchSampler's first epoch
+    clock = Rate(args.steps)
     for step in range(args.steps):
         batch = order[step * args.batch:(step + 1) * args.batch]
         mine = torch.from_numpy(layout.share(batch, list(range(args.dp)), d, f))
@@ -349,9 +370,11 @@ def plain(args: argparse.Namespace, data: torch.utils.data.TensorDataset) -> int
         dist.all_reduce(total)
         optimizer.step()
         scheduler.step()
+        clock.tick(step + 1)
         if rank == 0 and (step + 1) % 8 == 0:
             print(f"step {step + 1} loss {float(total) / args.microbatches / args.dp / args.fsdp:.4f}", flush=True)
     print(f"digest {rank} {digest(modules, optimizer)}", flush=True)
+    clock.say(rank)
     dist.destroy_process_group()
     return 0
 
@@ -392,6 +415,7 @@ class Resilient:
         self.loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
         stages = args.pp * len(self.modules)
         self.first, self.last = self.p == 0, self.p + (len(self.modules) - 1) * args.pp == stages - 1
+        self.clock = Rate(args.steps)
 
     @property
     def model(self) -> nn.Module:
@@ -472,6 +496,7 @@ class Resilient:
                 state.step += 1
                 state.loss = float(tally[0]) / args.microbatches / len(twins.in_use) / args.fsdp
                 state.record_step(state.step, state.loss, total=args.steps)
+                self.clock.tick(state.step)
                 if args.commit_every and state.step % args.commit_every == 0:
                     state.commit()
             return state.loss
@@ -495,6 +520,7 @@ def resilient(args: argparse.Namespace, data: torch.utils.data.TensorDataset) ->
     job = Resilient(args, world, data)
     loss = job.train()
     print(f"digest {int(world.logical_rank)} {digest(job.modules, job.optimizer)}", flush=True)
+    job.clock.say(world.rank)
     if world.rank == 0:
         world.events.emit("result", steps=job.state.step, size=world.size, generation=world.generation,
                           final_loss=loss, logical_ranks=[int(r) for r in world.logical_ranks],
