@@ -519,12 +519,14 @@ def resilient(args: argparse.Namespace, data: torch.utils.data.TensorDataset) ->
     world = elastic.init(policy=mesh_policy(args.dp, copies=True))
     job = Resilient(args, world, data)
     loss = job.train()
-    print(f"digest {int(world.logical_rank)} {digest(job.modules, job.optimizer)}", flush=True)
+    mine = digest(job.modules, job.optimizer)
+    print(f"digest {int(world.logical_rank)} {mine}", flush=True)
     job.clock.say(world.rank)
+    told = dict(world.allgather((int(world.logical_rank), mine)))
     if world.rank == 0:
         world.events.emit("result", steps=job.state.step, size=world.size, generation=world.generation,
                           final_loss=loss, logical_ranks=[int(r) for r in world.logical_ranks],
-                          in_use=job.twins.in_use)
+                          in_use=job.twins.in_use, digests=[told.get(k) for k in range(world.job.initial_size)])
         print(f"[llama3d] done: {job.state.step} steps, loss {loss:.6f}", flush=True)
     return 0
 

@@ -18,7 +18,10 @@ the other replica carries the batch, loss within 1e-4; when both replicas in use
 of a stage die together the job must stop on every rank with ``Unrecoverable``, as
 ``plan_mesh_recovery`` says for the victims of one rebuild). ``--program zero1``:
 ``examples/zero1.py``, ZeRO-1 with each shard kept by a twin (two instances of two
-shards, every step a recovery point, no commits): bitwise with a replacement, the
+shards, every step a recovery point, no commits), and ``--program llama3d``, the
+torchtitan-shaped job on a pp=2 x dp=2 mesh (torch's 1F1B, FSDP2 as HSDP: twins k and k + 2, a
+first victim failing inside a pipeline transfer, an all-gather or the update as often as at a
+step): bitwise with a replacement, the
 loss within 1e-5 after a shrink, and ``DataLost`` on every process exactly when
 both twins of a shard died before the first's replacement took the shard from
 the second, or, as for every program, a rank and every holder of its per-step
@@ -61,8 +64,8 @@ from elastic.recovery import place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
 PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py",
-            "hybrid": "examples/hybrid.py", "zero1": "examples/zero1.py"}
-HASHES = {"zero1": ("model_sha256", "moments_sha256")}  # what a bitwise run matches; the others':
+            "hybrid": "examples/hybrid.py", "zero1": "examples/zero1.py", "llama3d": "examples/llama3d.py"}
+HASHES = {"zero1": ("model_sha256", "moments_sha256"), "llama3d": ("digests",)}  # what a bitwise run matches; else:
 DEFAULT_HASHES = ("model_sha256", "optimizer_sha256")
 MESH = (2, 2)  # --program hybrid: data x pipeline, RANKS in all
 ARGS = ("--steps", str(STEPS), "--dropout", "0", "--commit-every", str(COMMIT_EVERY))
@@ -136,6 +139,20 @@ def draw(rng: random.Random) -> Scenario:
         actives += 1
     spares = {"spare": actives + spare_victims, "mixed": 1 + spare_victims}.get(mode, 0)
     return Scenario(mode, rebuild, spares, rng.choice((2, 3)), ",".join(entries), stall)
+
+
+def draw_llama3d(rng: random.Random) -> Scenario:
+    """``draw``'s scenario, its first victim, where it fails at a step, more often than not failing
+    inside that step instead: one of its pipeline transfers (``pS.M``, the M-th of the step on that
+    rank, activations and gradients), its first all-gather (``gS``) or its update (``uS``)."""
+    scenario = draw(rng)
+    first, *rest = scenario.inject.split(",")
+    rank, where = first.split("@", 1)
+    step, _, action = where.partition(":")
+    if step.isdigit() and rng.random() < 0.7:
+        point = rng.choice(("p", "p", "p", "g", "u"))
+        first = f"{rank}@{point}{step}{f'.{rng.randrange(8)}' if point == 'p' else ''}:{action}"
+    return dataclasses.replace(scenario, inject=",".join([first, *rest]))
 
 
 def draw_collective_kill(rng: random.Random) -> Scenario:
@@ -276,7 +293,8 @@ def check(scenario: Scenario, rc: int, run_dir: Path, ref: dict, program: str) -
     outcomes = read_outcomes(run_dir)
     if scenario.mode == "hybrid":
         return check_hybrid(scenario, rc, run_dir, outcomes, ref)
-    expect_loss = loss_expected(run_dir, scenario, ref["chunks"]) or (program == "zero1" and twins_lost(run_dir))
+    expect_loss = loss_expected(run_dir, scenario, ref["chunks"]) or \
+        (program in ("zero1", "llama3d") and twins_lost(run_dir))
     if rc == 0:
         if expect_loss:
             return "mismatch", "finished although every holder of some chunk died"
@@ -338,6 +356,8 @@ def program_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     program = (PROGRAMS[args.program], *ARGS) + (("--per-step",) if args.per_step else ())
     if args.program == "zero1":  # twins, per step, no commits: losing both twins is DataLost
         program = (PROGRAMS["zero1"], *ARGS[:-2], "--commit-every", "0")
+    if args.program == "llama3d":  # pp=2 x dp=2: twins k and k + 2 as zero1's, per step, no commits
+        program = (PROGRAMS["llama3d"], "--pp", "2", "--dp", "2", *ARGS[:-2], "--commit-every", "0")
     if args.program == "hybrid":
         # Without store copies: the expected outcome then follows from the victims alone (twins, CheckFree).
         program = (PROGRAMS["hybrid"], "--dp", str(MESH[0]), "--pp", str(MESH[1]), "--steps", str(STEPS),
@@ -367,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     refs: dict[int, dict] = {}
     rows = []
     for i in range(args.runs):
-        scenario = draw_hybrid(rng) if args.program == "hybrid" else \
-            draw_collective_kill(rng) if args.collective_kills else draw(rng)
+        scenario = draw_hybrid(rng) if args.program == "hybrid" else draw_llama3d(rng) if args.program == "llama3d" \
+            else draw_collective_kill(rng) if args.collective_kills else draw(rng)
         if args.data_faults:
             scenario = with_data_fault(rng, scenario)
         ref = reference(program, scenario.replication, work, refs)
