@@ -13,7 +13,10 @@ reduced in float32), waited for inside the call under ``world.mpi.guard()``,
 with the World's ``collective`` fault point in flight in the reductions (``gather`` in the
 all-gathers). On CPU the caller is the thread that runs the backward, so the ``Work`` handed back is
 complete, its future already holding the result (DDP's buckets go through
-``elastic.distributed``'s hook instead: one all-reduce per backward). The group is valid while the World keeps its shape
+``elastic.distributed``'s hook instead: one all-reduce per backward). A point-to-point transfer
+(``send`` / ``recv``, torch's pipeline schedules' ``batch_isend_irecv``) is posted at once and its
+``Work`` waits for it, under the guard too, so a batch's order of sends and receives cannot
+deadlock and a peer lost mid-transfer ends the wait on every rank. The group is valid while the World keeps its shape
 (a spare or a spawned process takes the lost rank's place: same size, same rank
 here), whatever the generation: the communicator is looked up at each call. A
 shrink changes the shape: a call then raises, saying to make a new group
@@ -219,9 +222,9 @@ class MPIGroup(dist.ProcessGroup):
                              f"{self.size()}: name another rank of the group")
         comm = self._comm()
         with self._world.mpi.guard():
-            requests = start(comm, peer)
+            transfer = _Transfer(self._world, start(comm, peer), received)
         _fire_transfer(self._world)
-        return _Transfer(self._world, requests, received)
+        return transfer
 
     # torch's older names for the same calls (C++ callers and torch < 2.13 use them)
     _allgather_base = all_gather_single
@@ -315,18 +318,16 @@ class _Transfer(dist._Work):  # torch's Python-side Work
         super().__init__()
         self._world, self._requests, self._received = world, requests, received
         self._done = False
+        _unwaited.add(self)  # MPI may write a receive's buffer until it is waited for: held until then
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
             with self._world.mpi.guard():
-                try:
-                    MPI.Request.Waitall(self._requests)
-                except BaseException:
-                    _abandoned.append(self._requests)
-                    raise
+                MPI.Request.Waitall(self._requests)  # a failure: left in _unwaited, never freed
             for b in self._received:
                 b.done()
             self._done = True
+            _unwaited.discard(self)
         return True
 
     def is_completed(self) -> bool:
@@ -336,6 +337,7 @@ class _Transfer(dist._Work):  # torch's Python-side Work
         return self._done
 
 
+_unwaited: set[_Transfer] = set()
 _P2P_TAGS = 1 << 20  # torch's tags, apart from the World's own messages on its communicator
 _transfers: list[Any] = [None, 0]  # (generation, step) of this process's last transfer, and its count there
 

@@ -794,6 +794,26 @@ def test_losing_both_twins_of_a_shard_at_once_is_data_lost_naming_the_shard_on_e
     assert sorted(e["logical"] for e in job.of("data_lost")) == [0, 1, 2, 3]  # the two replacements too
 
 
+@pytest.mark.parametrize("inject, spares, senders", [
+    ("3@4", 1, {3: [7]}),               # (pp 1, dp 0, tp 1): its slot's twin in replica 1
+    ("3@c4,6@c4", 2, {3: [7], 6: [2]}),  # two coordinates of two slots, one in each replica: each from its twin
+    ("3@4,7@4", 2, None),               # both replicas of one slot: no way back without a commit
+])
+def test_each_lost_coordinate_of_a_pp_dp_tp_mesh_takes_the_way_back_its_slot_has(inject, spares, senders):
+    """examples/llama3d.py's layout at pp=2 x dp=2 x tp=2: logical rank k is replica k // 4 and slot
+    k % 4 (stage, tp rank), the twins of a slot its replicas (``Mesh(world, dp, pp * tp)``)."""
+    reference = {r: result for r, (result, _) in SimJob(8).run(_twin_main()).items()}
+    job = SimJob(8, spares=spares, inject=inject)
+    if senders is None:
+        with pytest.raises(DataLost, match=r"logical rank 3's shard, held by logical ranks \[3, 7\]"):
+            job.run(_twin_main())
+        assert sorted(e["logical"] for e in job.of("data_lost")) == list(range(8))
+        return
+    got = job.run(_twin_main())
+    assert {r: result for r, (result, _) in got.items()} == reference
+    assert {e["logical"]: e["senders"] for e in job.of("twin_copied")} == senders
+
+
 def test_a_shrink_takes_the_lost_ranks_instance_out_and_its_survivors_stay_twins():
     """Logical rank 1 dies without a spare: the mesh policy takes instance 0 out; logical rank 0
     (instance 0) computes nothing more but keeps its shard in step with its twin, logical rank 2."""
