@@ -117,6 +117,10 @@ def timeline(events: list[dict]) -> list[dict[str, Any]]:
                               for e in of if e["event"] == "stage_rebuilt"),
                              key=lambda x: (x["replica"] or 0, x["stage"])),
             "interrupted": gen < generations[-1] and not any(e["gen"] == gen for e in steps),
+            # Sharded state kept by twins (State(twins=...)): who took its slices from which twins,
+            # and the commits gone back to where every twin of some slice died.
+            "twins": sorted((e["logical"], e["senders"]) for e in of if e["event"] == "twin_copied"),
+            "twins_lost": sorted({(tuple(sorted(e["ranks"])), e["version"]) for e in of if e["event"] == "twins_lost"}),
         })
     return rows
 
@@ -291,9 +295,12 @@ def format_report(run_dir: Path, baseline: Path | None = None) -> str:
                            + f" by {x['method']}" + (f" from logical {x['sources']}" if x["sources"] else "")
                            + (f" from the commit of step {x['step']}" if x["step"] is not None else "")
                            for x in r["stages"])
+        twins = "".join(f"; logical rank {k}'s slices from its twin(s) logical {senders}" for k, senders in r["twins"])
+        twins += "".join(f"; every twin of logical {list(ranks)} lost: every rank back to the commit of version "
+                         f"{version}" for ranks, version in r["twins_lost"])
         lines.append(f"  gen {r['gen']}: {r['reason'] or 'no decision needed'}"
                      + (f"; died: {causes}" if causes else "") + (f"; rebuilt {stages}" if stages else "")
-                     + way + interrupted)
+                     + twins + way + interrupted)
     checks = integrity(events)
     if checks:
         lines += ["integrity and stragglers:"] + checks

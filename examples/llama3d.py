@@ -161,10 +161,10 @@ def check(args: argparse.Namespace, size: int) -> None:
     if args.heads % args.tp or args.dim % args.heads or (args.dim // args.heads) % 2:
         problems.append(f"--tp {args.tp} must divide --heads {args.heads}, and --heads must divide --dim "
                         f"{args.dim} into an even head size")
-    if args.batch % (args.dp * args.fsdp * args.microbatches):
-        problems.append(f"--batch {args.batch} does not split into --dp {args.dp} x --fsdp {args.fsdp} shares x "
-                        f"--microbatches {args.microbatches}: give a multiple of "
-                        f"{args.dp * args.fsdp * args.microbatches}")
+    need = math.lcm(*(k * args.fsdp * args.microbatches for k in range(1, args.dp + 1)))  # after a shrink too
+    if args.batch % need:
+        problems.append(f"--batch {args.batch} does not split into the shares of up to --dp {args.dp} replicas x "
+                        f"--fsdp {args.fsdp} x --microbatches {args.microbatches}: give a multiple of {need}")
     if args.schedule != "gpipe" and args.microbatches < args.pp:
         problems.append(f"--schedule {args.schedule} needs --microbatches >= --pp ({args.pp})")
     if problems:

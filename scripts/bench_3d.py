@@ -86,7 +86,7 @@ def p2p_child(backend: str, transfers: int, reps: int) -> int:
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     out, back = torch.randn(*SHAPE), torch.empty(*SHAPE)
     times = []
-    for rep in range(reps + 2):
+    for _ in range(reps + 2):
         start = time.perf_counter()
         for direction in (0, 1):
             works = [dist.isend(out, peer) if rank == direction else dist.irecv(back, peer) for _ in range(transfers)]

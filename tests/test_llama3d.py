@@ -14,6 +14,7 @@ import re
 import pytest
 
 from conftest import launch
+from elastic.report import format_report
 
 pytestmark = pytest.mark.fault
 PP_DP = ("examples/llama3d.py", "--pp", "2", "--dp", "2", "--steps", "10")
@@ -58,6 +59,8 @@ def test_a_kill_inside_a_pipeline_transfer_ends_bitwise_with_a_spare(tmp_path, t
     assert digests(job) == expected, where
     victim = int(inject.split("@")[0])
     assert replaced(job) == [("spare", (victim,))]
+    twin = (victim + 2) % 4  # the same stage in the other replica
+    assert f"logical rank {victim}'s slices from its twin(s) logical [{twin}]" in format_report(tmp_path / "run")
     assert [o["status"] for o in job.outcomes if o.get("logical") == victim and o["gen"] == 0] == ["injected-kill"]
 
 
@@ -109,6 +112,8 @@ def test_every_replica_of_a_stage_lost_goes_back_to_the_commit_bitwise(tmp_path,
     assert digests(job) == expected
     lost = job.of("twins_lost")
     assert lost and lost[0]["version"] is not None and sorted(lost[0]["ranks"]) == [1, 3]
+    assert f"every twin of logical [1, 3] lost: every rank back to the commit of version {lost[0]['version']}" \
+        in format_report(tmp_path / "run")
 
 
 def test_every_replica_of_a_stage_lost_without_a_commit_stops_every_rank_naming_the_slices(tmp_path):

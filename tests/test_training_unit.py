@@ -539,6 +539,7 @@ def _llama3d_args(**changes) -> argparse.Namespace:
     ({"layers": 6, "schedule": "interleaved"}, 4, "give --layers a multiple of 4"),
     ({"tp": 3}, 12, "--tp 3 must divide --heads 4"),
     ({"batch": 12}, 4, "give a multiple of 8"),
+    ({"batch": 36, "dp": 3, "pp": 1}, 3, "give a multiple of 24"),  # 3 replicas fit, 2 (after a shrink) do not
 ])
 def test_a_mesh_that_does_not_fit_is_a_clear_error_before_the_first_step(changes, size, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
