@@ -22,6 +22,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, Sequence, TypeVar, cast
 
@@ -520,6 +521,13 @@ class WorldMpi:
     def universe(self) -> MPI.Intracomm:
         """Every live process of the job: the active ranks and the parked spares."""
         return self._world._universe
+
+    def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
+                  step: int | None = None) -> None:
+        """Deprecated: ``world.neighbors`` (the old name, kept for one release)."""
+        warnings.warn("world.mpi.neighbors is world.neighbors now; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        self._world.neighbors(sends, receives, step)
 
     def part(self, ranks: Sequence[int]) -> MPI.Intracomm:
         """Some active ranks (current ranks, in the order given) as a communicator of this

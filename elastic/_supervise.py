@@ -30,8 +30,9 @@ from ._plan import LaunchPlan
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
 SWEEP_SECONDS = 1.0     # how often the launcher looks for stopped sentinels
-# Open MPI prints this for every non-blocking collective a failure interrupted; it reads like a crash.
-_NOISE = b"NBC_Progress: an error"
+# Open MPI prints these for every non-blocking collective a failure interrupted (in flight, or
+# started on a revoked communicator); they read like a crash.
+_NOISE = (b"NBC_Progress: an error", b"Error in NBC_Start_round()")
 # PRRTE's words when a node's daemon is gone (it then ends every rank of the job).
 _LOST_NODE = re.compile(rb"Remote daemon: \S+ on node (\S+)")
 # The runtime's words when it failed to come up, before any process of the job began: seen now and then

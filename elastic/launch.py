@@ -276,8 +276,8 @@ def _verdict(plan: LaunchPlan, done: _Launches, got: list[int]) -> int:
         rc = 1
         notes.append(f"{len(summary.reached)} injection(s) reached but never fired: exit 1 (--allow-unfired: 0)")
     if done.hidden:
-        notes.append(f"({done.hidden} 'NBC_Progress' lines of Open MPI hidden: non-blocking collectives interrupted "
-                     "by a failure, expected)")
+        notes.append(f"({done.hidden} 'NBC_Progress' / 'NBC_Start_round' lines of Open MPI hidden: non-blocking "
+                     "collectives interrupted by a failure, expected)")
     if done.lost and not done.relaunches:
         notes.append(f"node(s) {', '.join(sorted(done.lost))} lost with every process on them: Open MPI 5.0's "
                      "runtime ends the whole job when a node's daemon dies, and the state in memory goes with it "

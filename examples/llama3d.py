@@ -6,22 +6,24 @@ torchtitan's llama layout at tiny sizes: the root owns the token embedding, the 
 head; the blocks are split into ``--pp`` stages by module name (two per rank with ``--schedule
 interleaved``), each block tensor-parallel (attention q / k / v colwise, output rowwise; MLP w1 / w3
 colwise, w2 rowwise; the embedding rowwise, the head colwise with its logits replicated), then
-``fully_shard`` per block and on each stage's root over dp. A step: ``schedule.step`` over
+``fully_shard`` per block and on each stage's root as HSDP: replicated over dp, sharded over
+``--fsdp`` (1 by default). A step: ``schedule.step`` over
 ``--microbatches`` micro-batches, the gradients' norm over the whole mesh, ``clip_grad_norm_``'s
 clip, AdamW, a warm-up + cosine schedule; dropout; the tokens from a ``DataLoader`` over
 ``GlobalBatchSampler`` (each dp replica's share of the global batch).
 
 On the ``ulfm`` process group every transfer and collective of the step (the schedule's
 activations and gradients, the TP all-reduces, FSDP2's all-gathers and reduce-scatters) runs on the
-World's communicator, so a death ends every rank's wait at once. The way back: the same (pp, tp)
-coordinate in another dp replica holds the same parameter and optimizer slices (FSDP2's all-reduce
+World's communicator, so a death ends every rank's wait at once. The way back: the same (pp, fsdp,
+tp) coordinate in another dp replica holds the same parameter and optimizer slices (HSDP's all-reduce
 over dp gives the twins the same gradient bits), so every optimizer step is a recovery point at no
 copy (``TorchState(per_step=True, twins=...)``) and a spare takes the lost rank's slices from its
 twin: the run ends bitwise where a failure-free run ends. With every twin of a slice lost at once:
 back to the last ``--commit-every`` commit, exact; without one, ``DataLost`` naming the slices on
 every rank. The pipeline stages and the schedule are made again on every entry of the run function
 (cheap: they wrap the same modules), so after a recovery each rank's schedule is the new
-generation's, its shapes given up front (no metadata exchange).
+generation's, its shapes given up front (no metadata exchange). A shrink (``--rebuild shrink``)
+takes the lost rank's replica out of use (``Resilient``).
 
     python -m elastic.launch -n 8 --spares 1 --inject 3@p12 -- python examples/llama3d.py --pp 2 --dp 2 --tp 2
     torchrun --nproc-per-node 8 examples/llama3d.py --pp 2 --dp 2 --tp 2 --plain   # the baseline, Gloo

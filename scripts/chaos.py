@@ -20,8 +20,7 @@ of a stage die together the job must stop on every rank with ``Unrecoverable``, 
 ``examples/zero1.py``, ZeRO-1 with each shard kept by a twin (two instances of two
 shards, every step a recovery point, no commits), and ``--program llama3d``, the
 torchtitan-shaped job on a pp=2 x dp=2 mesh (torch's 1F1B, FSDP2 as HSDP: twins k and k + 2, a
-first victim failing inside a pipeline transfer, an all-gather or the update as often as at a
-step): bitwise with a replacement, the
+first victim failing inside a pipeline transfer or the update as often as at a step): bitwise with a replacement, the
 loss within 1e-5 after a shrink, and ``DataLost`` on every process exactly when
 both twins of a shard died before the first's replacement took the shard from
 the second, or, as for every program, a rank and every holder of its per-step
@@ -142,15 +141,16 @@ def draw(rng: random.Random) -> Scenario:
 
 
 def draw_llama3d(rng: random.Random) -> Scenario:
-    """``draw``'s scenario, its first victim, where it fails at a step, more often than not failing
-    inside that step instead: one of its pipeline transfers (``pS.M``, the M-th of the step on that
-    rank, activations and gradients), its first all-gather (``gS``) or its update (``uS``)."""
+    """``draw``'s scenario, its first victim, where it fails at a step or in its first reduction, more
+    often than not failing elsewhere inside that step instead: one of its pipeline transfers
+    (``pS.M``, the M-th of the step on that rank, activations and gradients) or its update (``uS``)."""
     scenario = draw(rng)
     first, *rest = scenario.inject.split(",")
     rank, where = first.split("@", 1)
     step, _, action = where.partition(":")
+    step = step.removeprefix("c")  # at a step, or inside its first reduction: a place in the step either way
     if step.isdigit() and rng.random() < 0.7:
-        point = rng.choice(("p", "p", "p", "g", "u"))
+        point = rng.choice(("p", "p", "p", "u"))  # (no gS: with one shard per replica FSDP2 gathers nothing)
         first = f"{rank}@{point}{step}{f'.{rng.randrange(8)}' if point == 'p' else ''}:{action}"
     return dataclasses.replace(scenario, inject=",".join([first, *rest]))
 

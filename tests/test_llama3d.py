@@ -51,9 +51,12 @@ def replaced(job) -> list[tuple[str, tuple[int, ...]]]:
     (GPIPE, "1@p6.4", "stage 1's first gradient send (after its four activation receives)"),
     (ONE_F_ONE_B, "3@p6.7", "stage 1's last gradient send, in replica 1"),
     (ONE_F_ONE_B, "2@p6", "stage 0's first activation send, in replica 1"),
+    # fsdp=1: FSDP2 all-gathers nothing (each replica holds its slot whole) and reduces the gradients
+    # over dp, the step's first reduction
+    (GPIPE, "3@c6", "FSDP2's gradient reduction"),
 ])
-def test_a_kill_inside_a_pipeline_transfer_ends_bitwise_with_a_spare(tmp_path, tmp_path_factory, program, inject,
-                                                                      where):
+def test_a_kill_inside_a_transfer_or_the_gradient_reduction_ends_bitwise_with_a_spare(tmp_path, tmp_path_factory,
+                                                                                       program, inject, where):
     expected, _ = reference(tmp_path_factory, program, 4)
     job = launch(tmp_path, 4, "--spares", "1", "--inject", inject, program=program)
     assert digests(job) == expected, where

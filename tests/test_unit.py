@@ -549,3 +549,21 @@ def test_a_commit_in_process_memory_receives_into_the_buffer_the_retired_version
     assert memory.receive_buffer(4096, 3) is first
     memory.keep(3, [np.arange(8, dtype=np.uint8)], 8, None, second, list)
     assert memory.receive_buffer(2048, 4) is not second  # another size: a buffer of its own
+
+
+def test_open_mpi_s_notices_of_interrupted_collectives_are_hidden_and_counted_nothing_else():
+    import io
+
+    from elastic._supervise import _Output
+
+    class Sink:
+        buffer = io.BytesIO()
+
+        def flush(self):
+            pass
+
+    text = (b"step 3\nNBC_Progress: an error 75 occurred\n\nError in NBC_Start_round() (-1)\n"
+            b"Error in my program\n")
+    out = _Output(io.BytesIO(text), Sink())
+    out.run()
+    assert Sink.buffer.getvalue() == b"step 3\nError in my program\n" and out.hidden == 2

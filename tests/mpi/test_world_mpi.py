@@ -70,3 +70,12 @@ def test_no_communicator_of_the_library_aborts_on_an_error(world):
     a request's completion, reports to), return errors instead."""
     for comm in (MPI.COMM_SELF, MPI.COMM_WORLD, world.mpi.comm, world.mpi.universe):
         assert comm.Get_errhandler() == MPI.ERRORS_RETURN, comm
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_old_name_of_neighbors_still_works_and_says_the_new_one(world):
+    n, r = world.size, world.rank
+    got = np.zeros(2)
+    with pytest.warns(DeprecationWarning, match=r"world.mpi.neighbors is world.neighbors now"):
+        world.mpi.neighbors([((r + 1) % n, 3, np.full(2, float(r)))], [((r - 1) % n, 3, got)])
+    assert got.tolist() == [float((r - 1) % n)] * 2
