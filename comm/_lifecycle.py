@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import is_agreed, last_agreed
@@ -37,6 +38,18 @@ if TYPE_CHECKING:  # importing elastic.comm must not initialize MPI
     from mpi4py import MPI
 
 _installed: list["Lifecycle"] = []
+TRACEBACK_LINES = 20  # of a failed rank's traceback, kept in its outcome for the launcher to show
+
+
+def _program_traceback(kind: type[BaseException], exc: BaseException, tb: Any) -> list[str]:
+    """The last lines of a traceback, the program's frames only (not this library's, nor runpy's,
+    which every rank shares) unless the error arose in the library."""
+    ours = {getattr(m, "__file__", None) for name, m in list(sys.modules.items())
+            if name.split(".")[0] in ("elastic", "runpy")}
+    frames = traceback.extract_tb(tb)
+    mine = [f for f in frames if f.filename not in ours and not f.filename.startswith("<frozen")] or frames
+    text = "".join(traceback.format_list(mine) + traceback.format_exception_only(kind, exc))
+    return text.rstrip().splitlines()[-TRACEBACK_LINES:]
 
 
 @atexit.register  # at import: the program's own atexit handlers, registered later, run before this one
@@ -87,12 +100,15 @@ class Lifecycle:
         self._recorded = True
 
     # ------------------------------------------------------------------ alone
-    def fail(self, kind: str, message: str) -> None:
-        """Record this process's own failure, then die so that the others see it at once. Never returns."""
+    def fail(self, kind: str, message: str, trace: list[str] | None = None) -> None:
+        """Record this process's own failure (``trace``: the last lines of its traceback, which the
+        launcher shows once), then die so that the others see it at once. Never returns."""
         world = self._world
         step = world._step
         if not self._recorded:
             fields: dict[str, Any] = {"kind": kind, "message": message, "step": step}
+            if trace:
+                fields["traceback"] = trace
             if self.finished:
                 fields["after_finish"] = True
             world.events.emit("error", scope="rank", **fields)
@@ -153,7 +169,7 @@ class Lifecycle:
         if is_agreed(exc):
             self.stop(exc)
         elif not self._left:
-            self.fail(kind.__name__, str(exc) or kind.__name__)
+            self.fail(kind.__name__, str(exc) or kind.__name__, _program_traceback(kind, exc, tb))
 
     def _at_exit(self) -> None:
         if self._left:

@@ -153,6 +153,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _python_script(command: tuple[str, ...]) -> str | None:
+    """The script a ``python [options] SCRIPT ...`` command runs (None for ``-m`` / ``-c`` or another program)."""
+    if not Path(command[0]).name.startswith("python"):
+        return None
+    for word in command[1:]:
+        if word in ("-m", "-c") or word.startswith(("-m", "-c")):
+            return None
+        if not word.startswith("-"):
+            return word
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     """The launch plan of a command line; a wrong option exits (2) naming it and what to give."""
     parser = _parser()
@@ -163,6 +175,10 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     if not shutil.which(command[0]):
         parser.error(f"the program {command[0]!r} is not an executable file here or on PATH: no process "
                      "could start it")
+    script = _python_script(command)
+    if script is not None and not Path(script).is_file():
+        parser.error(f"the Python program {script!r} does not exist (from {Path.cwd()}): give its path, e.g. "
+                     f"-- python examples/train.py")
     if raw.grace < 0:
         parser.error("--grace must be >= 0 seconds")
     if raw.timeout is not None and raw.timeout <= 0:

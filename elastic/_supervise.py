@@ -347,6 +347,39 @@ def _how(outcome: dict | None, fate: dict | None) -> str:
     return f"{scope}{step}: {end['what']}" if scope else f"{end['what']}{step}"
 
 
+# What to do about the failures users meet first, by what the failed rank's error says.
+_HINTS = (
+    ("No backend type associated with device type",
+     "an operation the process group does not implement for this device: on the ulfm group, use the "
+     "torch.distributed calls DDP, FSDP2, DCP and torch's pipelining make, or give that part a Gloo group "
+     "(elastic.distributed.ProcessGroup(world, backend='gloo'))"),
+    ("import of torch halted",
+     "torch could not be imported in the ranks: install it in the environment they run in "
+     "(pip install -c constraints.txt -e '.[torch]')"),
+    ("No module named 'torch'",
+     "torch is not installed in the environment the ranks run in: pip install -c constraints.txt -e '.[torch]'"),
+)
+
+
+def why_failed(summary: Summary) -> list[str]:
+    """The first failed rank's traceback, once, and whether every rank failed the same way; a hint
+    where the error is one users meet first (local)."""
+    failed = sorted((o for o in summary.outcomes if o["status"] == "failed" and o.get("traceback")),
+                    key=lambda o: o.get("t", 0.0))
+    if not failed:
+        return []
+    first = failed[0]
+    lines = [f"the first failure's traceback (logical rank {first.get('logical')}, generation {first.get('gen')}):"]
+    lines += [f"    {line}" for line in first["traceback"]]
+    same = {(o["kind"], o["message"]) for o in failed}
+    if len(failed) > 1 and len(same) == 1:
+        lines.append(f"every one of the {len(failed)} failed ranks failed the same way: a program error, which "
+                     "a recovery would only repeat")
+    text = f"{first['kind']}: {first['message']} " + " ".join(first["traceback"])
+    lines += [hint for words, hint in _HINTS if words in text]
+    return lines
+
+
 def report(summary: Summary, run_dir: Path, notes: list[str]) -> None:
     told = ", ".join(f"{v} {k}" for k, v in sorted(summary.counts.items()))
     if summary.processes:
@@ -357,6 +390,8 @@ def report(summary: Summary, run_dir: Path, notes: list[str]) -> None:
     for d in summary.deaths:
         who = "parked spare" if d["role"] == "spare" else f"logical rank {d['logical']}"
         print(f"[launch]   pid {d['pid']} ({who}, generation {d['gen']}): {d['how']}", flush=True)
+    for line in why_failed(summary):
+        print(f"[launch] {line}", flush=True)
     for entry in summary.never_fired:
         if entry in summary.reached:
             print(f"[launch] error: injection {entry} never fired although the loop passed that step with that rank: "

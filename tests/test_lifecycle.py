@@ -54,6 +54,19 @@ def test_exception_on_one_rank_is_recovered_bitwise(tmp_path, reference):
     assert "failed at step 12: ValueError: a bug in the user's code at step 12" in job.output
 
 
+def test_an_error_on_every_rank_shows_the_program_s_traceback_once_and_says_it_was_everywhere(tmp_path):
+    job = launch(tmp_path, 2, program=("tests/programs/raises_everywhere.py",))
+    assert job.rc == 1
+    told = [line for line in job.output.splitlines() if line.startswith("[launch]")]
+    start = told.index(next(line for line in told if "the first failure's traceback" in line))
+    end = told.index("[launch]     KeyError: 'missing'")
+    frames = [line.split(", in ")[1] for line in told[start + 1:end] if "File" in line]
+    assert frames == ["<module>", "main", "train", "look_up"]  # the program's frames, the library's left out
+    assert all("raises_everywhere.py" in line for line in told[start + 1:end] if "File" in line)
+    assert sum("traceback" in line for line in told) == 1
+    assert "every one of the 2 failed ranks failed the same way" in told[end + 1]
+
+
 def test_sys_exit_on_one_rank_is_recovered_bitwise(tmp_path, reference):
     job = launch(tmp_path, 4, "--spares", "1", program=FAULTY, env=fault("exit"))
     assert_bitwise(job, reference(TRAIN), "optimizer_sha256")

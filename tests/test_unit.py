@@ -567,3 +567,33 @@ def test_open_mpi_s_notices_of_interrupted_collectives_are_hidden_and_counted_no
     out = _Output(io.BytesIO(text), Sink())
     out.run()
     assert Sink.buffer.getvalue() == b"step 3\nError in my program\n" and out.hidden == 2
+
+
+def test_a_program_file_that_does_not_exist_is_refused_before_anything_starts(capsys):
+    from elastic._plan import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["-n", "2", "--", sys.executable, "-u", "no/such/train.py"])
+    assert "the Python program 'no/such/train.py' does not exist" in capsys.readouterr().err
+    assert parse_args(["-n", "2", "--", sys.executable, "-m", "elastic.nothing"]).command[-1] == "elastic.nothing"
+
+
+def test_the_launcher_says_what_to_do_about_an_operation_the_group_lacks_and_a_missing_torch():
+    from elastic._supervise import Summary, why_failed
+
+    def failed(message, logical):
+        return {"status": "failed", "kind": "RuntimeError", "message": message, "logical": logical, "gen": 0,
+                "t": float(logical),
+                "traceback": ["  File \"train.py\", line 3, in <module>", f"RuntimeError: {message}"]}
+
+    def summary(*outcomes):
+        return Summary(False, len(outcomes), {}, [], None, [], [], list(outcomes), [])
+
+    lines = why_failed(summary(failed("No backend type associated with device type cpu", 1),
+                               failed("No backend type associated with device type cpu", 0)))
+    assert lines[0] == "the first failure's traceback (logical rank 0, generation 0):"
+    assert any("failed the same way" in line for line in lines)
+    assert any("backend='gloo'" in line for line in lines)
+    lines = why_failed(summary(failed("No module named 'torch'", 0), failed("something else", 1)))
+    assert not any("same way" in line for line in lines) and any("pip install" in line for line in lines)
+    assert why_failed(summary()) == []
