@@ -153,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def missing_program(plan: LaunchPlan) -> str | None:
+    """Why the program cannot start here, said before anything starts: a Python program file that does
+    not exist (on this machine's launches; on other hosts the path is theirs), else None."""
+    script = _python_script(plan.command)
+    if plan.hosts or script is None or Path(script).is_file():
+        return None
+    return f"the Python program {script!r} does not exist (from {Path.cwd()}): give its path, e.g. -- python " \
+           "examples/train.py"
+
+
 def _python_script(command: tuple[str, ...]) -> str | None:
     """The script a ``python [options] SCRIPT ...`` command runs (None for ``-m`` / ``-c`` or another program)."""
     if not Path(command[0]).name.startswith("python"):
@@ -175,10 +185,6 @@ def parse_args(argv: list[str] | None = None) -> LaunchPlan:
     if not shutil.which(command[0]):
         parser.error(f"the program {command[0]!r} is not an executable file here or on PATH: no process "
                      "could start it")
-    script = _python_script(command)
-    if script is not None and not Path(script).is_file():
-        parser.error(f"the Python program {script!r} does not exist (from {Path.cwd()}): give its path, e.g. "
-                     f"-- python examples/train.py")
     if raw.grace < 0:
         parser.error("--grace must be >= 0 seconds")
     if raw.timeout is not None and raw.timeout <= 0:

@@ -50,7 +50,7 @@ from elastic.comm.runtime import keep_mpi_uninitialized
 
 from . import _nodes
 from ._mpiexec import build_command, job_env, omp_threads
-from ._plan import LaunchPlan, parse_args, slurm_slots
+from ._plan import LaunchPlan, missing_program, parse_args, slurm_slots
 from ._relaunch import next_launch
 from ._supervise import Attempt, run_pids, report, summarize
 
@@ -75,6 +75,10 @@ class _Launches:
 def main(argv: list[str] | None = None) -> int:
     keep_mpi_uninitialized()  # a tool: nothing it reads starts MPI here (importing this module changes nothing)
     plan = parse_args(argv)
+    missing = missing_program(plan)
+    if missing:
+        print(f"python -m elastic.launch: error: {missing}", file=sys.stderr, flush=True)
+        return 2
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [p for pattern in ("outcome-*.json", "events-*.jsonl", "fate-*.json", "summary.json")
                   for p in plan.run_dir.glob(pattern)]:

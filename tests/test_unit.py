@@ -569,13 +569,15 @@ def test_open_mpi_s_notices_of_interrupted_collectives_are_hidden_and_counted_no
     assert Sink.buffer.getvalue() == b"step 3\nError in my program\n" and out.hidden == 2
 
 
-def test_a_program_file_that_does_not_exist_is_refused_before_anything_starts(capsys):
-    from elastic._plan import parse_args
+def test_a_program_file_that_does_not_exist_is_refused_before_anything_starts(capsys, tmp_path):
+    from elastic._plan import missing_program, parse_args
 
-    with pytest.raises(SystemExit):
-        parse_args(["-n", "2", "--", sys.executable, "-u", "no/such/train.py"])
+    assert launch.main(["-n", "2", "--run-dir", str(tmp_path), "--", sys.executable, "-u", "no/such/train.py"]) == 2
     assert "the Python program 'no/such/train.py' does not exist" in capsys.readouterr().err
-    assert parse_args(["-n", "2", "--", sys.executable, "-m", "elastic.nothing"]).command[-1] == "elastic.nothing"
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+    assert missing_program(parse_args(["-n", "2", "--", sys.executable, "-m", "elastic.nothing"])) is None
+    assert missing_program(parse_args(["-n", "2", "--", sys.executable, "examples/train.py"])) is None
+    assert missing_program(parse_args(["--host", "a:2", "-n", "2", "--", "python", "x.py"])) is None  # its path there
 
 
 def test_the_launcher_says_what_to_do_about_an_operation_the_group_lacks_and_a_missing_torch():
