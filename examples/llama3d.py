@@ -257,6 +257,17 @@ def clip(modules: list[nn.Module], pp_group: Any, max_norm: float) -> float:
     return float(total)
 
 
+def seed_dropout(args: argparse.Namespace, p: int, d: int) -> None:
+    """This rank's dropout stream: alike along tp (its activations are replicated there), apart otherwise."""
+    torch.manual_seed(1000 + d * args.pp + p)
+
+
+def optimize(args: argparse.Namespace, modules: list[nn.Module]) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over this rank's stages, and its warm-up + cosine schedule."""
+    optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
+
+
 def warmup_cosine(args: argparse.Namespace) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < args.warmup:
@@ -351,14 +362,12 @@ def plain(args: argparse.Namespace, data: torch.utils.data.TensorDataset) -> int
     rank, layout = dist.get_rank(), Layout(args)
     check(args, dist.get_world_size())
     p, d, f, t = layout.coords(rank)
-    torch.manual_seed(1000 + d * args.pp + p)  # dropout: alike along tp (replicated activations), else apart
+    seed_dropout(args, p, d)
     mesh = layout.device_mesh(lambda replica, slot: replica * layout.slots + slot, list(range(args.dp)))
     modules = build(args, mesh, p)
-    optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
+    optimizer, scheduler = optimize(args, modules)
     schedule = schedule_for(args, mesh, modules, p, args.dp * args.fsdp)
-    stages = args.pp * len(modules)
-    first, last = p == 0, (p + (len(modules) - 1) * args.pp) == stages - 1
+    first, last = p == 0, p == args.pp - 1  # this rank's stages include the first, the last
     order = np.random.default_rng([args.seed, 0]).permutation(len(data))  # GlobalBatchSampler's first epoch
     clock = Rate(args.steps)
     for step in range(args.steps):
@@ -401,22 +410,20 @@ class Resilient:
         check(args, world.job.initial_size)
         self.args, self.world, self.layout = args, world, Layout(args)
         self.p, self.d, self.f, self.t = self.layout.coords(int(world.logical_rank))
-        torch.manual_seed(1000 + self.d * args.pp + self.p)  # dropout: alike along tp (replicated activations)
+        seed_dropout(args, self.p, self.d)
         self.group = elastic.distributed.ProcessGroup(world)
         self.twins = Mesh(world, args.dp, self.layout.slots)  # a slot's replicas: its twins
         self.modules: list[nn.Module] = []
         self.size = 0  # the World's size the mesh is made for
         self.build()
-        self.optimizer = torch.optim.AdamW([q for m in self.modules for q in m.parameters()], lr=args.lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(args))
+        self.optimizer, scheduler = optimize(args, self.modules)
         self.state = elastic.TorchState(world, model=self.model, optimizer=self.optimizer, scheduler=scheduler,
                                         per_step=True, shard_optimizer=True, twins=self.twins, twinned=("model",),
                                         replication=args.replication, step=0, loss=float("nan"))
         sampler = GlobalBatchSampler(world, len(data), args.batch, step=lambda: self.state.step, seed=args.seed,
                                      share=lambda batch: self.layout.share(batch, self.twins.in_use, self.d, self.f))
         self.loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
-        stages = args.pp * len(self.modules)
-        self.first, self.last = self.p == 0, self.p + (len(self.modules) - 1) * args.pp == stages - 1
+        self.first, self.last = self.p == 0, self.p == args.pp - 1  # this rank's stages include the first, the last
         self.clock = Rate(args.steps)
 
     @property
