@@ -3,7 +3,7 @@
 The program a transformers user runs under torchrun (a model built from a ``GPT2Config``, random
 init, no download; ``DistributedDataParallel``; ``AdamW`` with transformers' linear warm-up
 schedule; a ``DataLoader``; gradient accumulation with ``no_sync``; clipping; the model's own
-dropout and its own ``.loss``), with the changes of docs/using.md ("Hugging Face transformers").
+dropout and its own ``.loss``), with the changes docs/using.md shows ("Hugging Face transformers and accelerate").
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@c20 -- python examples/hf_gpt2.py
     python -m elastic.launch -n 4 --inject 1@20 -- python examples/hf_gpt2.py   # a shrink: 3 ranks go on

@@ -1,9 +1,9 @@
 """examples/hf_gpt2.py written with Hugging Face accelerate: its ``backward``, ``accumulate`` and ``clip_grad_norm_``.
 
 ``Accelerator()`` made after ``elastic.init()`` and ``init_process_group()`` finds the World's
-``ulfm`` group and runs as ``MULTI_CPU``. Two of ``prepare``'s objects cannot survive a failure and
-are not given to it (docs/using.md, "Hugging Face accelerate", says why and measures it): the
-model goes to ``elastic.distributed.DistributedDataParallel`` (wrapped again in each generation,
+``ulfm`` group and runs as ``MULTI_CPU``. What ``prepare`` returns cannot survive a failure, so
+nothing is given to it (docs/using.md, "Hugging Face transformers and accelerate", says why and
+measures it): the model goes to ``elastic.distributed.DistributedDataParallel`` (wrapped again in each generation,
 where accelerate's torch DDP is made once: a promoted spare's constructor would wait for
 survivors that never enter theirs), and the data to ``GlobalBatchSampler`` (accelerate's sharded
 loader starts each epoch from its first batch and keeps the size it was made with). The optimizer
