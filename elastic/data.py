@@ -32,7 +32,12 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import numpy as np
-import torch.utils.data
+try:
+    import torch.utils.data
+except ImportError as exc:  # the project's message, not torch's
+    from ._needs import torch_missing
+
+    raise torch_missing("elastic.data") from exc
 
 from elastic.comm import ConfigError, Group
 

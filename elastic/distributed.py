@@ -26,7 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # the project's message, not torch's
+    from ._needs import torch_missing
+
+    raise torch_missing("elastic.distributed") from exc
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -599,3 +599,17 @@ def test_the_launcher_says_what_to_do_about_an_operation_the_group_lacks_and_a_m
     lines = why_failed(summary(failed("No module named 'torch'", 0), failed("something else", 1)))
     assert not any("same way" in line for line in lines) and any("pip install" in line for line in lines)
     assert why_failed(summary()) == []
+
+
+@pytest.mark.parametrize("module", ["elastic.distributed", "elastic.data"])
+def test_a_part_that_needs_torch_says_what_to_install_where_torch_cannot_be_imported(module):
+    """torch blocked as a broken install blocks it: the project's sentence, on import, not torch's
+    ``import of torch halted``; the parts that need no torch import as before."""
+    import subprocess
+
+    code = f"import sys; sys.modules['torch'] = None; import elastic, elastic.mesh; elastic.TorchState; import {module}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ModuleNotFoundError: {module} needs torch, which this Python cannot import")
+    assert "pip install -c constraints.txt -e '.[torch]'" in last
