@@ -10,7 +10,9 @@ communicator, one all-reduce per backward); ``ddp-gloo``, the same over Gloo
 (the same one all-reduce, a 10 s group timeout); ``fsdp``, ``examples/fsdp.py`` (FSDP2's
 ``fully_shard`` on the ``ulfm`` group, its shards in the store);
 ``transformer-fsdp``, ``examples/fsdp_transformer.py`` (the official FSDP2
-example's transformer, DCP into peer memory, a spare that rehearsed) and
+example's transformer, DCP into peer memory, a spare that rehearsed),
+``transformer-fsdp-port``, ``examples/fsdp_port.py`` (the same model and loop as a port of the
+official example is written: made on the meta device after ``init()``, no rehearsal) and
 ``transformer-ddp``, the same model and loop under DDP. For each:
 steps per second without failures (the median step of a run, commits
 included; the failure-free runs of all ways alternate ``--repeat`` times and
@@ -44,7 +46,9 @@ WAYS = {"mpi": ("examples/train.py",), "ddp": ("examples/ddp.py", "--backend", "
         "fsdp": ("examples/fsdp.py",),
         # the official FSDP2 example's transformer, and the same model and loop under DDP
         "transformer-ddp": ("examples/fsdp_transformer.py", "--ddp"),
-        "transformer-fsdp": ("examples/fsdp_transformer.py",)}
+        "transformer-fsdp": ("examples/fsdp_transformer.py",),
+        # the same model as a port of the official example is written: built after init, no rehearsal
+        "transformer-fsdp-port": ("examples/fsdp_port.py",)}
 PHASES = ("detect", "agree", "rebuild", "restore", "resume")
 
 
@@ -170,6 +174,9 @@ def main() -> int:
     if {"transformer-ddp", "transformer-fsdp"} <= set(by_way):
         same = by_way["transformer-fsdp"]["down_s"] / by_way["transformer-ddp"]["down_s"]
         print(f"FSDP2 against DDP on the same transformer: down {same:.2f}x")
+    if {"transformer-ddp", "transformer-fsdp-port"} <= set(by_way):
+        port = by_way["transformer-fsdp-port"]["down_s"] / by_way["transformer-ddp"]["down_s"]
+        print(f"FSDP2 as the official example's port is written (no rehearsal) against DDP: down {port:.2f}x")
     return 0
 
 

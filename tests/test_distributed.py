@@ -144,6 +144,22 @@ def test_fsdp2_transformer_survives_a_kill_in_its_forward_backward_or_optimizer_
         {(0, 0, "ulfm"), (1, 0, "ulfm"), (2, 0, "ulfm"), (3, 0, "ulfm"), (lost, 1, "ulfm")}
 
 
+PORT = ("examples/fsdp_port.py", "--steps", "20")  # the official example as ports are written
+
+
+@pytest.mark.fault
+def test_an_fsdp2_port_as_users_write_it_gets_the_lost_shards_back_bitwise(tmp_path, reference):
+    """examples/fsdp_port.py: the model made on the meta device after init, sharded, materialised
+    and initialised there (reset_parameters on DTensors), dropout on, no rehearsal. Logical rank 1
+    dies inside step 12's first reduce-scatter; the spare, promoted before it built anything, makes
+    the model and loads its shards from the DCP checkpoint in peer memory: bitwise."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c12", program=PORT)
+    assert_bitwise(job, reference(PORT), "optimizer_sha256")
+    assert [e["logical"] for e in job.of("promoted")] == [1]
+    assert job.of("rehearsed") == []  # it parked without one
+    assert [row["redone"] for row in timeline(job.events)] == [2]  # back to step 10's commit
+
+
 @pytest.mark.fault
 def test_fsdp2_transformer_after_a_shrink_reshards_the_checkpoint_over_the_survivors(tmp_path, reference):
     ref = reference(TRANSFORMER)

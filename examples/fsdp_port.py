@@ -1,0 +1,110 @@
+"""The official FSDP2 example (pytorch/examples ``distributed/FSDP2``) ported as a user ports it.
+
+The official program's order, kept: ``init_process_group``, the model made on the meta device,
+``fully_shard`` on each block and then on the root (which owns the embeddings, final norm and
+head), ``to_empty`` and ``reset_parameters``, Adam, then the loop with gradient clipping. What the
+port adds: ``elastic.init()`` first (``init_process_group`` then makes the World's ``ulfm``
+group), the loop inside ``@elastic.run`` counted by ``state.step``, DCP's storage
+``PeerMemory(state)`` instead of a directory, saved every ``--commit-every`` steps and loaded when
+the loop re-enters, and global batches (``elastic.GlobalBatches``). No ``rehearse=``: a spare is
+promoted into this program before it has built anything, as most ports are written
+(``examples/fsdp_transformer.py`` is the same model written for the fastest recovery).
+
+    python -m elastic.launch -n 4 --spares 1 --inject 1@c15 -- python examples/fsdp_port.py
+    python -m elastic.launch -n 4 --rebuild shrink --inject 3@15 -- python examples/fsdp_port.py
+
+With a spare the final model and optimizer are bitwise those of a failure-free run; after a
+shrink every rank shards the model again over the survivors and DCP re-shards the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import elastic
+import elastic.distributed
+from fsdp_transformer import Checkpoint, ModelArgs, Transformer, digest, report, train_step
+
+
+def sharded_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The official example's set-up: on meta, sharded, materialised, initialised (the same values
+    on every rank for a given world size), and its optimizer."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(n_layers=args.layers, vocab_size=args.vocab, max_seq_len=args.seq_len,
+                                      dim=args.dim, dropout_p=args.dropout))
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.random.fork_rng():  # the initial values from a fixed seed, this rank's stream kept (dropout)
+        torch.manual_seed(args.seed)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model, torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32, help="global batch of sequences, kept after a shrink")
+    parser.add_argument("--samples", type=int, default=1024, help="sequences in the synthetic corpus")
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--commit-every", type=int, default=5, help="DCP save into peer memory every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    world = elastic.init()
+    dist.init_process_group(backend="gloo")  # as the official example; under elastic the World's ulfm group
+    torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
+    state = elastic.TorchState(world, local=("dcp",), step=0, loss=float("nan"))
+    checkpoint = elastic.distributed.PeerMemory(state)
+    batches = elastic.GlobalBatches(args.samples, args.batch, args.seed)
+    corpus = torch.randint(0, args.vocab, (args.samples, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    model, optimizer = sharded_model(args)
+    job: dict[str, Any] = {"size": world.size}
+
+    @elastic.run
+    def train(world: elastic.World, state: elastic.TorchState) -> float:
+        nonlocal model, optimizer
+        if job["size"] != world.size:  # a shrink: torch's group of the new size, the model sharded over it
+            dist.destroy_process_group()
+            dist.init_process_group()
+            model, optimizer = sharded_model(args)
+            job["size"] = world.size
+        if state.step > 0:  # a roll-back to the last save, re-sharded by DCP if the world changed size
+            dcp.load({"app": Checkpoint(model, optimizer)}, storage_reader=checkpoint)
+        while state.step < args.steps:
+            world.fault_point(state.step)
+            tokens = corpus[torch.from_numpy(batches.shard(state.step, world))]
+            loss, norm = train_step(model, optimizer, tokens, world.size, args)
+            state.step += 1
+            state.loss = float(loss)
+            state.record_step(state.step, state.loss, total=args.steps, grad_norm=float(norm.full_tensor()))
+            if state.step % args.commit_every == 0:
+                dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint)
+                state.commit()
+        full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
+        job["model_sha256"] = digest(get_model_state_dict(model, options=full))
+        job["optimizer_sha256"] = digest(get_optimizer_state_dict(model, optimizer, options=full))
+        return state.loss
+
+    loss = train(world, state)
+    report(world, state, loss, model_sha256=job["model_sha256"], optimizer_sha256=job["optimizer_sha256"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
