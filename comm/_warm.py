@@ -53,6 +53,19 @@ STATUS_SECONDS = 1.0  # how long a sentinel waits for the warm process to say ho
 ANSWER_SECONDS = 5.0
 
 
+def serving_pid(path: str) -> int | None:
+    """The pid of the warm process listening at ``path`` (the socket's peer credentials), or None
+    where none listens (local; a connection that says nothing, which it drops)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(ANSWER_SECONDS)
+        try:
+            conn.connect(path)
+        except OSError:
+            return None
+        pid: int = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        return pid
+
+
 # ------------------------------------------------------------------ the sentinel's side
 class WarmChild:
     """A program forked by the warm process, seen from the sentinel as a ``subprocess.Popen``: the
@@ -263,6 +276,10 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> NoR
         world = sys.modules.get("elastic.comm._world")
         if world is not None:  # imported here before the child had the sentinel's variables
             world.WATCHDOG.adopt_env()
+        torch = sys.modules.get("torch")
+        if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            # a warm process shared by jobs (ELASTIC_WARM_SERVER) imported torch under its own value
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "numpy" in sys.modules:  # a fresh process draws numpy's global seed from the OS, not its parent's
             sys.modules["numpy"].random.seed()
         argv = [str(a) for a in request["argv"]]
@@ -334,12 +351,16 @@ def _enter_namespaces(sentinel: int) -> None:
 
 def preload(programs: list[str]) -> list[str]:
     """Import the modules every rank imports, and each program's top-level imports (read from its
-    source, never run). Returns what could not be imported (the child imports those itself)."""
+    source, never run), or the modules named where an entry is no ``.py`` path. Returns what could
+    not be imported (the child imports those itself)."""
     import mpi4py
     mpi4py.rc.initialize = False  # MPI starts in the child, in its own environment
     missed = []
     names = list(_PRELOAD) + ["mpi4py.MPI"]
     for program in programs:
+        if not program.endswith(".py"):  # a module's name (a shared warm process's libraries)
+            names.append(program)
+            continue
         folder = os.path.dirname(os.path.abspath(program))
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -391,7 +412,7 @@ def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2 or args[0] != "serve":
-        sys.stderr.write("usage: elastic.comm._warm.main: serve SOCKET [PROGRAM.py ...]\n")
+        sys.stderr.write("usage: elastic.comm._warm.main: serve SOCKET [PROGRAM.py | MODULE ...]\n")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve(args[1], args[2:])

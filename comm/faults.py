@@ -315,19 +315,12 @@ def _namespace(pid: int) -> str | None:
 
 
 def _signal_warm(path: str | None, sig: int) -> None:
-    """Send ``sig`` to the warm process listening at ``path`` (its pid from the socket's peer
-    credentials)."""
-    if not path:
-        return
-    import socket
-    import struct
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        try:
-            conn.connect(path)
-        except OSError:
-            return  # gone already
-        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    os.kill(pid, sig)
+    """Send ``sig`` to the warm process listening at ``path``."""
+    from ._warm import serving_pid
+
+    pid = serving_pid(path) if path else None
+    if pid is not None:
+        os.kill(pid, sig)
 
 
 def _kill_runtime() -> None:

@@ -20,8 +20,9 @@ from ._policy import asked, fill, would_fill
 from ._ranks import SPARE
 from ._table import Setting, check, fields_match, read, text, write
 from ._warm import ANSWER_SECONDS as WARM_ANSWER_SECONDS
+from ._warm import serving_pid as warm_serving_pid
 from ._watchdog import STOPPED_SENTINEL_SECONDS
 
-__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "WARM_ANSWER_SECONDS", "first_survivor",
-           "is_agreed", "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check", "fields_match",
-           "read", "text", "write", "fill", "asked", "would_fill"]
+__all__ = ["MODES", "Relaunch", "SPARE", "STOPPED_SENTINEL_SECONDS", "WARM_ANSWER_SECONDS", "warm_serving_pid",
+           "first_survivor", "is_agreed", "keep_mpi_uninitialized", "lazy_exports", "Setting", "CONFIG_ROWS", "check",
+           "fields_match", "read", "text", "write", "fill", "asked", "would_fill"]

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.comm import Config, ConfigError
-from elastic.comm.runtime import keep_mpi_uninitialized
+from elastic.comm.runtime import keep_mpi_uninitialized, warm_serving_pid
 
 from . import _nodes
 from ._mpiexec import build_command, job_env, omp_threads
@@ -98,8 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     if threads is not None and not plan.quiet:
         print(f"[launch] OMP_NUM_THREADS={threads} for each process ({os.cpu_count()} cores here, "
               f"{plan.nprocs + plan.spares} processes; set OMP_NUM_THREADS to choose)", flush=True)
-    warm, here = _start_warm(plan, agent, done.notes)
-    if not warm:
+    shared = _shared_warm(plan)
+    warm: dict[str, subprocess.Popen[str]] = {}
+    if shared is not None:  # forked from a warm process that outlives this job: nothing of it to start or end
+        done.config = done.config.replace(warm_socket=shared[0])
+        here = {"this host": shared[1]}
+    else:
+        warm, here = _start_warm(plan, agent, done.notes)
+    if not warm and shared is None:
         done.config = done.config.replace(warm_socket=None)  # the sentinels start their ranks cold: said here
     try:
         _launch_until_done(plan, agent, memory, done, got, here)
@@ -173,6 +179,26 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]
         notes.append(f"no warm process on {host} ({ready.strip() or 'it ended'}): {where} started cold")
         print(f"[launch] {notes[-1]}", flush=True)
     return serving, {host: proc.pid for host, proc in serving.items() if commands[host] is serve or plan.simulate_nodes}
+
+
+WARM_SERVER_ENV = "ELASTIC_WARM_SERVER"
+
+
+def _shared_warm(plan: LaunchPlan) -> tuple[str, int] | None:
+    """The socket and pid of a warm process already serving on this machine for every job started
+    here (``ELASTIC_WARM_SERVER``: a test session's, ``python -c 'from elastic.comm._warm import
+    main; main()' serve SOCKET MODULE...``, holding library modules only, never a program's own),
+    so that a job skips the cold start of one of its own; None where it is not set or not serving,
+    or where the job needs warm processes of its own (other hosts, simulated nodes, a batch
+    allocation, a program that asks for cold starts)."""
+    path = os.environ.get(WARM_SERVER_ENV)
+    if not path or not plan.config.warm_socket or plan.hosts or plan.simulate_nodes or plan.slurm:
+        return None
+    program = plan.command[1] if len(plan.command) > 1 and plan.command[1].endswith(".py") else None
+    if program is not None and _asks_cold(program):
+        return None
+    pid = warm_serving_pid(path)
+    return None if pid is None else (path, pid)
 
 
 def _end_warm(procs: list[subprocess.Popen[str]]) -> None:

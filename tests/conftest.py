@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +17,41 @@ JOB_TIMEOUT = float(os.environ.get("ELASTIC_TEST_JOB_TIMEOUT", "120"))
 
 # tests/mpi/ runs under mpiexec with --with-mpi (see test_multirank.py), not in this process.
 collect_ignore = [] if "--with-mpi" in sys.argv else ["mpi"]
+
+WARM_SERVER_ENV = "ELASTIC_WARM_SERVER"
+# What the session's warm process imports: libraries only (a program's own modules, which two
+# programs may name alike, each job's ranks import themselves).
+WARM_MODULES = ("torch.utils.data", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                "torch.distributed.tensor.parallel", "torch.distributed.pipelining", "elastic.distributed",
+                "elastic.data", "elastic.mesh", "elastic.pipeline", "transformers", "accelerate")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_server():
+    """One warm process for every job this session starts (``ELASTIC_WARM_SERVER``): a job forks its
+    ranks from it instead of waiting for a warm process of its own to import torch (~2.5 s a job).
+    Launches before it serves start their own; tests of the launcher's own warm process (killed,
+    stopped) and campaigns that signal it set the variable empty. Set it empty to turn this off."""
+    if WARM_SERVER_ENV in os.environ or "--with-mpi" in sys.argv:
+        yield
+        return
+    path = f"/dev/shm/elastic-tests-{os.getpid()}.sock"
+    serve = [sys.executable, "-c", "import sys; from elastic.comm._warm import main; sys.exit(main(sys.argv[1:]))",
+             "serve", path, *WARM_MODULES]
+    proc = subprocess.Popen(serve, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    os.environ[WARM_SERVER_ENV] = path
+    try:
+        yield
+    finally:
+        del os.environ[WARM_SERVER_ENV]
+        assert proc.stdin is not None
+        proc.stdin.close()  # it ends on its closed input, and removes its socket
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 

@@ -613,3 +613,27 @@ def test_a_part_that_needs_torch_says_what_to_install_where_torch_cannot_be_impo
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ModuleNotFoundError: {module} needs torch, which this Python cannot import")
     assert "pip install -c constraints.txt -e '.[torch]'" in last
+
+
+def test_a_job_uses_a_warm_process_shared_by_jobs_only_where_it_serves_and_the_job_needs_none_of_its_own(
+        tmp_path, monkeypatch):
+    import socket
+
+    from elastic.launch import WARM_SERVER_ENV, _shared_warm
+    from elastic._plan import parse_args
+
+    path = str(tmp_path / "warm.sock")
+    plan = parse_args(["-n", "2", "--", sys.executable, "examples/train.py"])
+    monkeypatch.delenv(WARM_SERVER_ENV, raising=False)
+    assert _shared_warm(plan) is None  # not set: the job starts its own
+    monkeypatch.setenv(WARM_SERVER_ENV, path)
+    assert _shared_warm(plan) is None  # nothing listens there
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(4)
+        assert _shared_warm(plan) == (path, os.getpid())  # its pid from the socket's peer credentials
+        for own in (["--cold"], ["--simulate-nodes", "2"], ["--host", "a:2,b:2"]):
+            assert _shared_warm(parse_args(["-n", "2", *own, "--", sys.executable, "examples/train.py"])) is None, own
+        cold = tmp_path / "cold.py"
+        cold.write_text("# elastic: cold-start\n")
+        assert _shared_warm(parse_args(["-n", "2", "--", sys.executable, str(cold)])) is None

@@ -12,6 +12,12 @@ TRAIN = ("examples/train.py",)
 SPAWN = ("--rebuild", "spawn", "--inject")
 
 
+@pytest.fixture(autouse=True)
+def own_warm_process(monkeypatch):
+    """These tests are of the launcher's own warm process (killed, stopped): not the session's."""
+    monkeypatch.setenv("ELASTIC_WARM_SERVER", "")
+
+
 def _warm(job, event: str) -> list[bool]:
     return [e["warm"] for e in job.of(event)]
 
