@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="an injection whose step the loop passed without firing it is a warning, not exit 1")
     parser.add_argument("--cold", action="store_true",
                         help="start every rank cold (a new interpreter importing everything) instead of forking it "
-                             "from its host's warm process")
+                             "from its host's warm process (the launcher's own, or on one host a warm process that "
+                             "serves every job there: ELASTIC_WARM_SERVER=SOCKET, as the test suite starts one)")
     parser.add_argument("--straggler", metavar="FACTOR:STEPS",
                         help="evict a rank whose own work per step is FACTOR times the median's for STEPS steps "
                              "in a row, to a spare or by the rebuild modes, e.g. 3:5 (default: off)")
