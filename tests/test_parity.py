@@ -1,0 +1,115 @@
+"""Parity groups and the XOR / Reed-Solomon code (issue 55, its pure part): every loss pattern of
+small groups rebuilt bit for bit, the code's matrix MDS, groups one member per failure domain."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from elastic.comm import ConfigError
+from elastic.recovery._parity import Code, Redundancy, _solve, coefficients, group_of
+from elastic.recovery._placement import Layout
+
+SHAPES = [(2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (3, 2), (4, 2), (5, 2), (6, 3)]
+
+
+def payloads(k: int, seed: int) -> list[np.ndarray]:
+    """Uneven payloads of several dtypes, NaN payloads and -0.0 among the floats, one empty."""
+    rng = np.random.default_rng(seed)
+    out: list[np.ndarray] = [np.array([np.nan, -0.0, np.inf], dtype=np.float64)]
+    out[0].view(np.uint64)[0] |= 0x1234  # a NaN with a payload: only its bytes say which
+    out.append(np.zeros(0, dtype=np.float32))
+    while len(out) < k:
+        out.append(rng.integers(-2**31, 2**31, rng.integers(1, 300), dtype=np.int32))
+    return out[:k]
+
+
+@pytest.mark.parametrize("k, m", SHAPES)
+def test_every_pattern_of_up_to_m_losses_rebuilds_each_lost_payload_bit_for_bit(k, m):
+    data = payloads(k, seed=k * 10 + m)
+    code = Code(k, m, max(p.nbytes for p in data))
+    segments = {i: code.segments(p) for i, p in enumerate(data)}
+    parity = {i: code.parity(i, segments) for i in range(k)}
+    for count in range(1, m + 1):
+        for lost in itertools.combinations(range(k), count):
+            alive = [i for i in range(k) if i not in lost]
+            rebuilt = code.rebuild(lost, {i: segments[i] for i in alive}, {i: parity[i] for i in alive})
+            assert sorted(rebuilt) == list(lost)
+            for i in lost:
+                raw = rebuilt[i].reshape(-1)[:data[i].nbytes]
+                assert raw.tobytes() == data[i].tobytes(), (k, m, lost, i)
+                # the replacement's own parity, recomputed from what it and the others now hold
+                again = {**{j: segments[j] for j in alive}, **rebuilt}
+                assert np.array_equal(code.parity(i, again), parity[i])
+
+
+def test_no_member_holds_parity_of_its_own_data_and_parity_is_m_over_k_minus_m_of_a_payload():
+    for k, m in SHAPES:
+        code = Code(k, m, 1000)
+        for member in range(k):
+            for c, _ in code.parity_of(member):
+                assert member not in {owner for owner, _ in code.data_blocks(c)}
+                assert member in code.parity_members(c)
+        # each member's segments are used once each, over the K codewords
+        used = sorted((owner, s) for c in range(k) for owner, s in code.data_blocks(c))
+        assert used == sorted((i, s) for i in range(k) for s in range(k - m))
+        assert code.parity(0, {i: code.segments(np.zeros(1000, np.uint8)) for i in range(k)}).nbytes == \
+            m * code.segment and code.segment * (k - m) >= 1000
+
+
+def test_more_losses_than_the_group_survives_is_refused():
+    code = Code(4, 1, 64)
+    with pytest.raises(ValueError, match="2 members lost in a group that survives 1"):
+        code.rebuild([0, 1], {}, {})
+
+
+@pytest.mark.parametrize("data, m", [(d, m) for m in (1, 2, 3) for d in range(1, 9)])
+def test_every_square_submatrix_of_the_generator_is_invertible(data, m):
+    """[I; C]: any K-M of its K rows solve (what makes any M losses decodable)."""
+    rows = [[int(t == u) for u in range(data)] for t in range(data)] + [list(r) for r in coefficients(data, m)]
+    assert all(v == 1 for v in coefficients(data, m)[0])  # parity 0 is the XOR
+    for chosen in itertools.combinations(range(data + m), data):
+        inverse = _solve([rows[r] for r in chosen])  # raises (no pivot) where singular
+        assert len(inverse) == data
+
+
+def test_the_redundancy_setting_parses_and_says_what_to_write():
+    assert Redundancy.parse("copies:2") == Redundancy("copies", 2)
+    assert Redundancy.parse("xor:4") == Redundancy("xor", 1, 4, 1)
+    assert Redundancy.parse("rs:4+2") == Redundancy("rs", 1, 4, 2) and str(Redundancy.parse(" rs:4+2 ")) == "rs:4+2"
+    assert not Redundancy.parse("copies:3").parity and Redundancy.parse("xor:8").parity
+    for bad in ("xor", "xor:1", "rs:2+2", "rs:4", "copies:0", "parity:4", "rs:250+10"):
+        with pytest.raises(ConfigError, match="redundancy|parity group|copies:R"):
+            Redundancy.parse(bad)
+
+
+@pytest.mark.parametrize("nodes, per, k", [(10, 4, 4), (4, 8, 4), (9, 2, 8), (3, 5, 4), (1, 6, 4), (6, 1, 3)])
+def test_groups_partition_the_ranks_one_member_per_domain_where_the_domains_allow(nodes, per, k):
+    layout = Layout.of({r: f"node{r // per}" for r in range(nodes * per)})
+    groups = {group_of(layout, r, k) for r in layout.ranks}
+    assert sorted(r for g in groups for r in g) == list(layout.ranks)  # each rank in one group
+    for g in groups:
+        assert all(group_of(layout, r, k) == g for r in g)  # every member computes the same group
+        assert len(g) >= min(k, len(layout.ranks)) and len(g) < 2 * k
+        if nodes >= 2 * k - 1:
+            assert len({r // per for r in g}) == len(g), g  # distinct nodes
+
+
+def test_uneven_domains_still_give_every_rank_one_group():
+    sizes = [5, 1, 3, 2, 4]
+    domain_of, r = {}, 0
+    for d, s in enumerate(sizes):
+        for _ in range(s):
+            domain_of[r] = f"n{d}"
+            r += 1
+    layout = Layout.of(domain_of)
+    groups = {group_of(layout, r, 3) for r in layout.ranks}
+    assert sorted(r for g in groups for r in g) == list(layout.ranks)
+    assert all(all(group_of(layout, r, 3) == g for r in g) for g in groups)
+
+
+def test_a_rank_finds_its_group_at_16k_ranks_without_a_table():
+    layout = Layout.of({r: f"node{r // 8}" for r in range(16384)})
+    group = group_of(layout, 12345, 4)
+    assert 12345 in group and len({r // 8 for r in group}) == 4  # four nodes, one member each
