@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-from fsdp_transformer import Checkpoint, ModelArgs, Transformer, digest, report, train_step
+from fsdp_transformer import Checkpoint, ModelArgs, Transformer, add_arguments, digest, report, train_step
 
 
 def sharded_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -53,17 +53,7 @@ def sharded_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.opti
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=32, help="global batch of sequences, kept after a shrink")
-    parser.add_argument("--samples", type=int, default=1024, help="sequences in the synthetic corpus")
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--commit-every", type=int, default=5, help="DCP save into peer memory every N steps")
-    parser.add_argument("--seed", type=int, default=0)
+    add_arguments(parser)  # the same model, data and loop as fsdp_transformer.py
     args = parser.parse_args()
 
     world = elastic.init()

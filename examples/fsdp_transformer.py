@@ -195,8 +195,8 @@ def run_steps(world: elastic.World, state: elastic.State, model: Any, optimizer:
             state.commit()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's, the data's and the loop's arguments (``examples/fsdp_port.py`` takes them too)."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32, help="global batch of sequences, kept after a shrink")
     parser.add_argument("--samples", type=int, default=1024, help="sequences in the synthetic corpus")
@@ -206,11 +206,16 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--commit-every", type=int, default=5, help="DCP save into peer memory every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
     parser.add_argument("--tie", action="store_true", help="tie the output head to the token embedding")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 parameters, fp32 reductions")
-    parser.add_argument("--commit-every", type=int, default=5, help="DCP save into peer memory every N steps")
     parser.add_argument("--replication", type=int, default=2, help="copies of each rank's checkpoint in peers' memory")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ddp", action="store_true",
                         help="the same model and loop under torch DDP instead (the benchmark's baseline)")
     args = parser.parse_args()
