@@ -148,7 +148,8 @@ def rehearse(size: int, program: Callable[[], None]) -> None:
     and raise what it raised. Those caches hold the DeviceMeshes the rehearsal made, which compare
     equal to the promoted spare's whatever each one's place in them: ``take_place(rank)`` gives
     them the spare's place, or what torch derives from them (a DTensor's coordinate, its shard's
-    offset in a checkpoint) would be rank 0's."""
+    offset in a checkpoint) would be rank 0's; a mesh of more dimensions cannot be given it, and
+    empties the caches instead."""
     from torch.distributed.device_mesh import DeviceMesh
 
     with installed(size):
@@ -165,9 +166,17 @@ def take_place(rank: int) -> None:
     """The promoted spare's place, ``rank``, in every mesh its rehearsal left in torch's caches (local).
     Their group they look up by name, the default group's, which the job's default group is named
     too (torch numbers groups from 0 again once the default one is destroyed)."""
-    for ref in _MESHES:
-        mesh = ref()
-        if mesh is not None:
-            mesh._rank = rank
-            mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+    meshes = [mesh for mesh in (ref() for ref in _MESHES) if mesh is not None]
     _MESHES.clear()
+    if any(mesh.ndim > 1 for mesh in meshes):
+        # A mesh of more dimensions names rank 0's sub-groups, which no mending makes this rank's
+        # (nor can its coordinate be computed before the job's group exists): DTensor decides
+        # again, its caches emptied (this thread's, and torch's native one).
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return
+    for mesh in meshes:
+        mesh._rank = rank
+        mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()

@@ -34,12 +34,14 @@ A shrink takes the lost rank's instance out of use (``Hsdp``).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  (FSDP2 imports it on first use: 0.7 s a parked spare pays before, not after, a failure)
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_state_dict)
@@ -179,9 +181,27 @@ class Hsdp:
         return 0
 
 
+def rehearse_hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``--rehearse``: a spare's HSDP set-up and first step before it parks, on the rehearsal's
+    default group of the job's size (``elastic.init(rehearse=...)``)."""
+    n = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(n).reshape(args.replicas, n // args.replicas),
+                      mesh_dim_names=("replicate", "shard"))
+    with torch.random.fork_rng():
+        model = make_model(args)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear) and not (args.root_params and layer is model[-1]):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    torch.nn.functional.mse_loss(model(x[:8]), y[:8], reduction="sum").backward()
+    optimizer.step()
+
+
 def hsdp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> int:
     """``--replicas R``: HSDP (``Hsdp``)."""
-    world = elastic.init(policy=mesh_policy(args.replicas, copies=True))
+    rehearse = functools.partial(rehearse_hsdp, args, x, y) if args.rehearse else None
+    world = elastic.init(policy=mesh_policy(args.replicas, copies=True), rehearse=rehearse)
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     return Hsdp(args, world).train(x, y)
 
@@ -192,6 +212,7 @@ def main() -> int:
     parser.add_argument("--root-params", action="store_true",
                         help="--replicas: leave the head in the root unit (a transformer's root owns its embedding, "
                              "final norm and head), as the official FSDP2 example does")
+    parser.add_argument("--rehearse", action="store_true", help="--replicas: a spare rehearses its first step")
     parser.add_argument("--replicas", type=int, default=1,
                         help="HSDP: instances, each shard held by one rank of each (1: FSDP2 over every rank)")
     args = parser.parse_args()

@@ -197,6 +197,18 @@ HSDP = FSDP + ("--replicas", "2")  # 2 x 2 (replicate, shard): each shard on two
 
 
 @pytest.mark.fault
+def test_a_spare_that_rehearsed_on_a_2d_mesh_takes_its_place_bitwise(tmp_path, reference):
+    """HSDP with a rehearsal (``elastic.init(rehearse=...)`` on a 2 x 2 mesh): its meshes cannot be
+    given the spare's place (their sub-groups are rank 0's; their coordinate needs the job's group,
+    which a promoted spare does not have yet), so its DTensor caches are emptied: the promotion
+    neither fails nor differs."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c13", program=HSDP + ("--rehearse",))
+    assert_bitwise(job, reference(HSDP), "optimizer_sha256")
+    assert [e["ok"] for e in job.of("rehearsed")] == [True]
+    assert [e["logical"] for e in job.of("promoted")] == [1]
+
+
+@pytest.mark.fault
 @pytest.mark.parametrize("inject, root", [("1@c13", True), ("1@13", True), ("2@u13", False)])
 def test_fsdp2_hsdp_twins_give_a_replacement_its_shards_bitwise(tmp_path, reference, inject, root):
     """HSDP on the ulfm group's 2-D mesh: logical rank 1 dies inside step 13's reduce-scatter or at
