@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
-         rehearse: Callable[[], None] | None = None, **settings: Any) -> World:
+         rehearse: Callable[[], None] | bool | None = None, **settings: Any) -> World:
     """Join the resilient world (collective over every process of the job, blocking).
 
     Args:
@@ -37,10 +37,16 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
             move nothing): build and shard the model, make the optimizer, take a step, so what
             torch does on first use (FSDP2's and DTensor's set-up, each operator's first
             dispatch) is done when the spare is promoted. Active ranks never call it; one that
-            raises is logged and the spare parks all the same.
+            raises is logged and the spare parks all the same. ``True``: the program itself
+            (``elastic._rehearsal.rehearse_program``): the spare runs its file once more, as
+            rank 0, up to its first step's end, its output discarded; what it does outside the
+            World and torch (files it writes, a tracker it starts) happens there too.
 
     A parked spare returns from here only once promoted, as ``Role.RECOVERED``.
     """
+    rehearsing = sys.modules.get("elastic._rehearsal")
+    if rehearsing is not None and rehearsing.PROGRAM:  # a spare's rehearsal of this program: its mirror World
+        return rehearsing.PROGRAM[0]
     training = {k: settings.pop(k) for k in list(settings) if k in FIELDS}
     config = Config.from_env(**settings) if config is None else config.replace(**settings)
     environ = {**os.environ, **Training.from_env(os.environ, **training).to_env()} if training else None
@@ -65,13 +71,17 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
     return world
 
 
-def _before_parking(rehearse: Callable[[], None] | None, world: Group) -> None:
+def _before_parking(rehearse: Callable[[], None] | bool | None, world: Group) -> None:
     """What a spare does before it parks, so that its promotion does not: the imports of the rest of
     ``init`` (torch's: ~5 ms of the recovery on the 4-rank benchmark, every survivor waiting in the
     store's first collective for the promoted spare), and the program's rehearsal."""
     if sys.modules.get("torch") is not None:
         from . import _torchrun  # noqa: F401
-    if rehearse is not None:
+    if rehearse is True:  # the program itself, up to its first step
+        from ._rehearsal import program_file, rehearse_program
+
+        _rehearse(lambda: rehearse_program(world.job.initial_size, program_file()), world)
+    elif callable(rehearse):
         _rehearse(rehearse, world)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ._mpigroup import _work
+from ._mpigroup import _pending, _work
 
 BACKEND = "rehearsal"
 
@@ -148,15 +148,16 @@ def rehearse(size: int, program: Callable[[], None]) -> None:
     and raise what it raised. Those caches hold the DeviceMeshes the rehearsal made, which compare
     equal to the promoted spare's whatever each one's place in them: ``take_place(rank)`` gives
     them the spare's place, or what torch derives from them (a DTensor's coordinate, its shard's
-    offset in a checkpoint) would be rank 0's; a mesh of more dimensions cannot be given it, and
-    empties the caches instead."""
+    offset in a checkpoint) would be rank 0's."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    with installed(size):
-        program()
-    # No mesh of the job's exists yet (a spare parks before torch.distributed is used): every mesh
-    # alive now is the rehearsal's.
-    _MESHES[:] = [weakref.ref(o) for o in gc.get_objects() if type(o) is DeviceMesh]  # isinstance would warn
+    try:
+        with installed(size):
+            program()
+    finally:  # one that raised may have left meshes in the caches too
+        # No mesh of the job's exists yet (a spare parks before torch.distributed is used): every
+        # mesh alive now is the rehearsal's.
+        _MESHES[:] = [weakref.ref(o) for o in gc.get_objects() if type(o) is DeviceMesh]  # isinstance would warn
 
 
 _MESHES: list[weakref.ref] = []
@@ -180,3 +181,80 @@ def take_place(rank: int) -> None:
     for mesh in meshes:
         mesh._rank = rank
         mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+
+
+# ------------------------------------------------------------------ the program itself, rehearsed
+PROGRAM: list[Any] = []  # while a spare rehearses its program: the World that elastic.init() returns there
+STEPS = 1  # the steps of the program a spare rehearses (rehearse=True): its set-up and first step
+SECONDS = 60.0  # and at most this long (a program whose loop reaches no step point)
+
+
+class _Overtime(BaseException):
+    """The rehearsal ran out of time (not an Exception: the program's handlers let it pass)."""
+
+
+def program_file() -> str:
+    """The Python file this process runs (``python PROGRAM.py``), which ``rehearse=True`` runs again."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        raise RuntimeError("rehearse=True runs the program's file again: this process runs none (python -m or -c); "
+                           "give rehearse= a function instead")
+    return str(path)
+
+
+def rehearse_program(size: int, path: str) -> None:
+    """Run the program ``path`` again in this process, as rank 0 of ``size``, up to its first
+    step's end: ``elastic.init()`` there returns a ``MirrorJob`` rank (every collective of the
+    World completes at once with this rank's values), torch's default group is the rehearsal's
+    (``init_process_group`` does nothing), its output goes nowhere, and the fault schedule ends it
+    at step ``STEPS``'s point. The process's random generators and ``sys.argv`` come back as they
+    were; what the program's own modules keep at module level stays (a spare is a fresh process:
+    they hold what its first run put there)."""
+    import contextlib
+    import os
+    import random
+    import runpy
+    import signal
+    import sys
+
+    import numpy as np
+
+    from ._sim import MirrorJob, _Killed
+
+    job = MirrorJob(size, inject=f"0@{STEPS}")
+    world = job.rank(0)
+    numpy_state, python_state, argv = np.random.get_state(), random.getstate(), list(sys.argv)
+    real_init = dist.init_process_group
+
+    def overtime(*_: Any) -> None:
+        raise _Overtime()
+
+    previous = signal.signal(signal.SIGALRM, overtime)
+    signal.setitimer(signal.ITIMER_REAL, SECONDS)
+    PROGRAM[:] = [world]
+
+    def bare_init(*args: Any, **kwargs: Any) -> None:  # the program's init_process_group(): the rehearsal's stays
+        if kwargs.get("store") is not None or kwargs.get("world_size", -1) != -1:
+            real_init(*args, **kwargs)
+
+    dist.init_process_group = bare_init
+    try:
+        with torch.random.fork_rng(), open(os.devnull, "w") as nowhere, contextlib.redirect_stdout(nowhere), \
+                contextlib.redirect_stderr(nowhere):
+            runpy.run_path(path, run_name="__main__")
+    except (_Killed, _Overtime, SystemExit):
+        pass  # the step's point, the time, or the program's end: as far as it goes
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        dist.init_process_group = real_init
+        _pending.clear()  # a group the program's ProcessGroup handed over and no init took
+        PROGRAM.clear()
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        sys.argv[:] = argv
+    if not job.of("step"):
+        raise RuntimeError(f"{path} finished no step in its rehearsal (state.record_step), in {SECONDS:g} s or "
+                           "before it ended")

@@ -428,6 +428,43 @@ class SimRank:
         raise _Killed()
 
 
+class MirrorJob(SimJob):
+    """A simulated job of ``n`` ranks of which one runs (``rank(logical)``, in the caller's thread):
+    every collective completes at once with its value in every rank's place, a transfer fills
+    what it receives with what it sends of that size, a point-to-point receive leaves its buffer
+    (a spare's rehearsal of the program: ``elastic._rehearsal.rehearse_program``)."""
+
+    def _collective(self, rank: "SimRank", value: Any) -> dict[int, Any]:
+        rank._sequence += 1
+        rank._collectives += 1
+        return {r: value for r in self._fabric.active}
+
+    def _neighbors(self, rank: "SimRank", sends: list[tuple[int, int, np.ndarray]],
+                   receives: list[tuple[int, int, np.ndarray]]) -> None:
+        rank._collectives += 1
+
+    def rank(self, logical: int) -> "SimRank":
+        return _MirrorRank(self, logical, Role.INITIAL)
+
+
+class _MirrorRank(SimRank):
+    rehearsal = True  # elastic.distributed.ProcessGroup over it keeps torch's default group, the rehearsal's
+
+    def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
+                 point: str = "commit", step: int | None = None) -> int:
+        self.fault_point(step, point)
+        sent = [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
+                for arrays in outgoing.values() if arrays and sum(a.nbytes for a in arrays)]
+        for arrays in incoming.values():
+            size = sum(a.nbytes for a in arrays)
+            arriving = next((b for b in sent if b.nbytes == size), np.zeros(size, np.uint8))
+            offset = 0
+            for target in arrays:
+                target.reshape(-1).view(np.uint8)[:] = arriving[offset:offset + target.nbytes]
+                offset += target.nbytes
+        return sum(b.nbytes for b in sent)
+
+
 class _SimJobView:
     """``rank.job``: the job as a simulated rank knows it (one host, no node memory)."""
 

@@ -8,7 +8,9 @@ group), the loop inside ``@elastic.run`` counted by ``state.step``, DCP's storag
 ``PeerMemory(state)`` instead of a directory, saved every ``--commit-every`` steps and loaded when
 the loop re-enters, and global batches (``elastic.GlobalBatches``). No ``rehearse=``: a spare is
 promoted into this program before it has built anything, as most ports are written
-(``examples/fsdp_transformer.py`` is the same model written for the fastest recovery).
+(``examples/fsdp_transformer.py`` is the same model written for the fastest recovery);
+``--rehearse`` adds the one argument ``elastic.init(rehearse=True)``: the spare runs this file
+once more before it parks, up to its first step, so torch's first use is done by then.
 
     python -m elastic.launch -n 4 --spares 1 --inject 1@c15 -- python examples/fsdp_port.py
     python -m elastic.launch -n 4 --rebuild shrink --inject 3@15 -- python examples/fsdp_port.py
@@ -54,9 +56,11 @@ def sharded_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.opti
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)  # the same model, data and loop as fsdp_transformer.py
+    parser.add_argument("--rehearse", action="store_true",
+                        help="elastic.init(rehearse=True): a spare runs this program to its first step before parking")
     args = parser.parse_args()
 
-    world = elastic.init()
+    world = elastic.init(rehearse=True if args.rehearse else None)
     dist.init_process_group(backend="gloo")  # as the official example; under elastic the World's ulfm group
     torch.manual_seed(1000 + int(world.logical_rank or 0))  # dropout masks differ per rank (restored per rank)
     state = elastic.TorchState(world, local=("dcp",), step=0, loss=float("nan"))

@@ -12,7 +12,8 @@ communicator, one all-reduce per backward); ``ddp-gloo``, the same over Gloo
 ``transformer-fsdp``, ``examples/fsdp_transformer.py`` (the official FSDP2
 example's transformer, DCP into peer memory, a spare that rehearsed),
 ``transformer-fsdp-port``, ``examples/fsdp_port.py`` (the same model and loop as a port of the
-official example is written: made on the meta device after ``init()``, no rehearsal) and
+official example is written: made on the meta device after ``init()``, no rehearsal),
+``transformer-fsdp-port-rehearsed``, the same with ``elastic.init(rehearse=True)`` and
 ``transformer-ddp``, the same model and loop under DDP. For each:
 steps per second without failures (the median step of a run, commits
 included; the failure-free runs of all ways alternate ``--repeat`` times and
@@ -48,7 +49,8 @@ WAYS = {"mpi": ("examples/train.py",), "ddp": ("examples/ddp.py", "--backend", "
         "transformer-ddp": ("examples/fsdp_transformer.py", "--ddp"),
         "transformer-fsdp": ("examples/fsdp_transformer.py",),
         # the same model as a port of the official example is written: built after init, no rehearsal
-        "transformer-fsdp-port": ("examples/fsdp_port.py",)}
+        "transformer-fsdp-port": ("examples/fsdp_port.py",),
+        "transformer-fsdp-port-rehearsed": ("examples/fsdp_port.py", "--rehearse")}  # init(rehearse=True)
 PHASES = ("detect", "agree", "rebuild", "restore", "resume")
 
 
@@ -177,6 +179,9 @@ def main() -> int:
     if {"transformer-ddp", "transformer-fsdp-port"} <= set(by_way):
         port = by_way["transformer-fsdp-port"]["down_s"] / by_way["transformer-ddp"]["down_s"]
         print(f"FSDP2 as the official example's port is written (no rehearsal) against DDP: down {port:.2f}x")
+    if {"transformer-ddp", "transformer-fsdp-port-rehearsed"} <= set(by_way):
+        port = by_way["transformer-fsdp-port-rehearsed"]["down_s"] / by_way["transformer-ddp"]["down_s"]
+        print(f"FSDP2, that port with elastic.init(rehearse=True), against DDP: down {port:.2f}x")
     return 0
 
 

@@ -148,15 +148,18 @@ PORT = ("examples/fsdp_port.py", "--steps", "20")  # the official example as por
 
 
 @pytest.mark.fault
-def test_an_fsdp2_port_as_users_write_it_gets_the_lost_shards_back_bitwise(tmp_path, reference):
+@pytest.mark.parametrize("options, rehearsed", [((), []), (("--rehearse",), [True])])
+def test_an_fsdp2_port_as_users_write_it_gets_the_lost_shards_back_bitwise(tmp_path, reference, options, rehearsed):
     """examples/fsdp_port.py: the model made on the meta device after init, sharded, materialised
-    and initialised there (reset_parameters on DTensors), dropout on, no rehearsal. Logical rank 1
-    dies inside step 12's first reduce-scatter; the spare, promoted before it built anything, makes
-    the model and loads its shards from the DCP checkpoint in peer memory: bitwise."""
-    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c12", program=PORT)
+    and initialised there (reset_parameters on DTensors), dropout on; without a rehearsal, and with
+    ``elastic.init(rehearse=True)`` (the spare runs the program file again before it parks, as rank
+    0, to its first step). Logical rank 1 dies inside step 12's first reduce-scatter; the spare
+    makes the model and loads its shards from the DCP checkpoint in peer memory: bitwise, so the
+    rehearsal changed nothing of the run (not the spare's generators either)."""
+    job = launch(tmp_path, 4, "--spares", "1", "--inject", "1@c12", program=PORT + options)
     assert_bitwise(job, reference(PORT), "optimizer_sha256")
     assert [e["logical"] for e in job.of("promoted")] == [1]
-    assert job.of("rehearsed") == []  # it parked without one
+    assert [e["ok"] for e in job.of("rehearsed")] == rehearsed
     assert [row["redone"] for row in timeline(job.events)] == [2]  # back to step 10's commit
 
 
