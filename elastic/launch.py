@@ -137,7 +137,7 @@ def _start_warm(plan: LaunchPlan, agent: Path | None, notes: list[str]
     the ssh or srun that carries it)."""
     if not plan.config.warm_socket:
         return {}, {}
-    programs = [plan.command[1]] if len(plan.command) > 1 and plan.command[1].endswith(".py") else []
+    programs = [program] if (program := _program_file(plan)) is not None else []
     if any(_asks_cold(program) for program in programs):
         print(f"[launch] {programs[0]} asks for cold starts ({COLD_PRAGMA}): every rank starts a new interpreter",
               flush=True)
@@ -194,7 +194,7 @@ def _shared_warm(plan: LaunchPlan) -> tuple[str, int] | None:
     path = os.environ.get(WARM_SERVER_ENV)
     if not path or not plan.config.warm_socket or plan.hosts or plan.simulate_nodes or plan.slurm:
         return None
-    program = plan.command[1] if len(plan.command) > 1 and plan.command[1].endswith(".py") else None
+    program = _program_file(plan)
     if program is not None and _asks_cold(program):
         return None
     pid = warm_serving_pid(path)
@@ -219,6 +219,11 @@ def _end_warm(procs: list[subprocess.Popen[str]]) -> None:
 COLD_PRAGMA = "# elastic: cold-start"  # a program that must not be forked from a warm process says so
 WARM_START_SECONDS = 120.0  # what one cold start of a rank takes, and more
 WARM_END_SECONDS = 5.0  # for the warm processes to end on their closed input, ssh's round trip included
+
+
+def _program_file(plan: LaunchPlan) -> str | None:
+    """The Python file of ``python PROGRAM.py ...``, whose imports a warm process makes (None otherwise)."""
+    return plan.command[1] if len(plan.command) > 1 and plan.command[1].endswith(".py") else None
 
 
 def _asks_cold(program: str) -> bool:
