@@ -353,8 +353,7 @@ class SimRank:
                  point: str = "commit", step: int | None = None) -> int:
         self.fault_point(step, point)
         # As one Alltoallw: what a sender's arrays hold, back to back, fills the receiver's in order.
-        sent = {r: np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
-                for r, arrays in outgoing.items() if arrays and sum(a.nbytes for a in arrays)}
+        sent = {r: _packed(arrays) for r, arrays in outgoing.items() if arrays and sum(a.nbytes for a in arrays)}
         got = self._job._collective(self, sent)
         for source, arrays in incoming.items():
             arriving = got.get(source, {}).get(self.logical, np.empty(0, np.uint8))
@@ -362,10 +361,7 @@ class SimRank:
                 raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): logical rank "
                                     f"{self.logical} expected {sum(a.nbytes for a in arrays)} bytes from "
                                     f"{source}, which sent {arriving.nbytes}")
-            offset = 0
-            for target in arrays:
-                target.reshape(-1).view(np.uint8)[:] = arriving[offset:offset + target.nbytes]
-                offset += target.nbytes
+            _unpack(arriving, arrays)
         return sum(a.nbytes for a in sent.values())
 
     def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
@@ -453,16 +449,24 @@ class _MirrorRank(SimRank):
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
                  point: str = "commit", step: int | None = None) -> int:
         self.fault_point(step, point)
-        sent = [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
-                for arrays in outgoing.values() if arrays and sum(a.nbytes for a in arrays)]
+        sent = [_packed(arrays) for arrays in outgoing.values() if arrays and sum(a.nbytes for a in arrays)]
         for arrays in incoming.values():
             size = sum(a.nbytes for a in arrays)
-            arriving = next((b for b in sent if b.nbytes == size), np.zeros(size, np.uint8))
-            offset = 0
-            for target in arrays:
-                target.reshape(-1).view(np.uint8)[:] = arriving[offset:offset + target.nbytes]
-                offset += target.nbytes
+            _unpack(next((b for b in sent if b.nbytes == size), np.zeros(size, np.uint8)), arrays)
         return sum(b.nbytes for b in sent)
+
+
+def _packed(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The arrays' bytes back to back (what one sender's part of an Alltoallw carries)."""
+    return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
+
+
+def _unpack(arriving: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """Fill ``arrays`` in order from ``arriving``'s bytes."""
+    offset = 0
+    for target in arrays:
+        target.reshape(-1).view(np.uint8)[:] = arriving[offset:offset + target.nbytes]
+        offset += target.nbytes
 
 
 class _SimJobView:
