@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import elastic
 import elastic.distributed
-from fsdp_transformer import Checkpoint, ModelArgs, Transformer, add_arguments, digest, report, train_step
+from fsdp_transformer import Checkpoint, ModelArgs, Transformer, add_arguments, full_digests, report, run_steps
 
 
 def sharded_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -80,19 +79,9 @@ def main() -> int:
             job["size"] = world.size
         if state.step > 0:  # a roll-back to the last save, re-sharded by DCP if the world changed size
             dcp.load({"app": Checkpoint(model, optimizer)}, storage_reader=checkpoint)
-        while state.step < args.steps:
-            world.fault_point(state.step)
-            tokens = corpus[torch.from_numpy(batches.shard(state.step, world))]
-            loss, norm = train_step(model, optimizer, tokens, world.size, args)
-            state.step += 1
-            state.loss = float(loss)
-            state.record_step(state.step, state.loss, total=args.steps, grad_norm=float(norm.full_tensor()))
-            if state.step % args.commit_every == 0:
-                dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint)
-                state.commit()
-        full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
-        job["model_sha256"] = digest(get_model_state_dict(model, options=full))
-        job["optimizer_sha256"] = digest(get_optimizer_state_dict(model, optimizer, options=full))
+        run_steps(world, state, model, optimizer, batches, corpus, args,  # the official loop, a step a time
+                  save=lambda: dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint))
+        job.update(full_digests(model, optimizer))
         return state.loss
 
     loss = train(world, state)

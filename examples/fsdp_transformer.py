@@ -160,6 +160,14 @@ def digest(state_dict: dict) -> str:
     return h.hexdigest()
 
 
+def full_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """``model_sha256`` and ``optimizer_sha256`` of the whole sharded model and optimizer (collective:
+    every rank gathers them)."""
+    full = StateDictOptions(full_state_dict=True)
+    return {"model_sha256": digest(get_model_state_dict(model, options=full)),
+            "optimizer_sha256": digest(get_optimizer_state_dict(model, optimizer, options=full))}
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, world_size: int,
                args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     """The official example's step on this rank's sequences: the global mean loss and the
@@ -257,9 +265,7 @@ def main() -> int:
         job["fresh"] = False
         run_steps(world, state, model, optimizer, batches, corpus, args,
                   save=lambda: dcp.save({"app": Checkpoint(model, optimizer)}, storage_writer=checkpoint))
-        full = StateDictOptions(full_state_dict=True)  # collective: every rank gathers the whole model
-        job["model_sha256"] = digest(get_model_state_dict(model, options=full))
-        job["optimizer_sha256"] = digest(get_optimizer_state_dict(model, optimizer, options=full))
+        job.update(full_digests(model, optimizer))
         return state.loss
 
     loss = train(world, state)
