@@ -5,7 +5,8 @@ every process writes an outcome file, every sentinel a fate file, and the
 verdict comes from those (``summarize``), as mpirun and torchrun users expect.
 A stop (a signal to the launcher, the timeout) is passed on as SIGTERM with a
 grace; nothing the job started outlives it; a sentinel stopped (SIGSTOP) after
-its rank ended is killed so that a finished job ends.
+its rank ended is killed so that a finished job ends, and so is an mpiexec that
+outlives every process of its job (PRRTE, now and then, after a spawn).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from ._plan import LaunchPlan
 _EXPECTED_END = ("finished", "spare-unused")
 LEFTOVER_SECONDS = 3.0  # after mpiexec ends, how long the job's last processes get to end on their own
 SWEEP_SECONDS = 1.0     # how often the launcher looks for stopped sentinels
+# How long mpiexec may outlive the last process of its job (it ends within a second once the last
+# sentinel has): then the runtime hung at the job's end, and the launcher ends it.
+OUTLIVE_SECONDS = 10.0
 # Open MPI prints these for every non-blocking collective a failure interrupted (in flight, or
 # started on a revoked communicator); they read like a crash.
 _NOISE = (b"NBC_Progress: an error", b"Error in NBC_Start_round()")
@@ -116,6 +120,9 @@ class Attempt:
         self.warm_stopped_since: dict[int, float] = {}  # warm processes seen stopped, since when
         self.warm_killed: set[int] = set()
         self.swept = 0.0
+        self.before = run_pids(plan.run_dir)  # the processes of earlier launches into this run directory
+        self.all_ended_at: float | None = None  # when every process of this launch was seen to have ended
+        self.outlived: float | None = None  # mpiexec outlived them all by this long: the launcher ended it
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.outputs = [_Output(self.proc.stdout, sys.stdout), _Output(self.proc.stderr, sys.stderr)]  # type: ignore
@@ -142,6 +149,8 @@ class Attempt:
                 self.swept = now
                 self._sweep_stopped_sentinels(now)
                 self._end_a_stopped_warm_process(now)
+                if self._outlives_its_job(now):
+                    break
             time.sleep(0.1)
         # Nothing the job started outlives it: mpiexec, its daemons, the ranks, spawned ones, orphans, and
         # the ranks the warm processes forked (outside mpiexec's session; a stopped one cannot act on its
@@ -161,6 +170,25 @@ class Attempt:
         proc.wait()
         for output in self.outputs:
             output.join(timeout=5)
+
+    def _outlives_its_job(self, now: float) -> bool:
+        """Every process of this launch has ended (its sentinel wrote how) and mpiexec has not, for
+        ``OUTLIVE_SECONDS``: it will not (seen after a spawn, ranks and sentinels all gone). True
+        then: the caller ends what is left, and the job's result is what its processes wrote.
+        A process whose sentinel died unrecorded keeps this from ever holding: the timeout stays."""
+        if self.stopping:
+            return False
+        if self.all_ended_at is None:
+            if all_processes_ended(self.plan.run_dir, self.before):
+                self.all_ended_at = now
+            return False
+        if now - self.all_ended_at < OUTLIVE_SECONDS:
+            return False
+        self.outlived = now - self.all_ended_at
+        print(f"[launch] mpiexec had not ended {self.outlived:.0f} s after the last process of the job: the runtime "
+              "hung at the job's end; ended by the launcher (the job's result is what its processes wrote)",
+              file=sys.stderr, flush=True)
+        return True
 
     def _sweep_stopped_sentinels(self, now: float) -> None:
         """Kill a sentinel stopped for twice the hang bound (this host), or at once when its rank has
@@ -218,6 +246,18 @@ def sentinels_of_ended_ranks(run_dir: Path) -> set[int]:
     ended = {o["pid"] for o in read_outcomes(run_dir)}
     return {e["sentinel_pid"] for e in read_events(run_dir)
             if e["event"] in ("started", "spawned") and e.get("sentinel_pid") and e["pid"] in ended}
+
+
+def all_processes_ended(run_dir: Path, before: set[int]) -> bool:
+    """Some process began since ``before`` and every one of them has its end recorded (a fate file,
+    its sentinel's last act). File names only: cheap each second (local)."""
+    began: set[int] = set()
+    ended: set[int] = set()
+    for p in run_dir.glob("*-*.json*"):
+        m = re.match(r"(events|fate)-.*-(\d+)\.jsonl?$", p.name)
+        if m and int(m.group(2)) not in before:
+            (began if m.group(1) == "events" else ended).add(int(m.group(2)))
+    return bool(began) and began <= ended
 
 
 def run_pids(run_dir: Path) -> set[int]:

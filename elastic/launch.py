@@ -254,6 +254,10 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
             attempt.stop(f"got {signal.Signals(got[0]).name}")
         attempt.wait(deadline)
         done.times[-1]["ended"] = time.time()
+        if attempt.outlived is not None:
+            done.times[-1]["outlived"] = round(attempt.outlived, 1)
+            done.notes.append(f"mpiexec outlived every process of the job by {attempt.outlived:.0f} s (Open MPI's "
+                              "runtime hung at the job's end): ended by the launcher")
         done.hidden += attempt.hidden
         done.leftovers += len(attempt.leftovers) if not attempt.stopping else 0
         mine = run_pids(plan.run_dir) - before

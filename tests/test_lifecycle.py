@@ -256,6 +256,24 @@ exec {shutil.which("mpiexec") or Path(sys.executable).parent / "mpiexec"} "$@"
         assert job.rc == 1 and "no process of the job left a word" in job.output, job.output
 
 
+def test_an_mpiexec_that_outlives_every_process_of_its_job_is_ended_and_the_result_stands(tmp_path, reference_hash):
+    """PRRTE, now and then after a spawn, does not end once every process of the job has (CI: a job
+    that finished in 4 s ran into the 120 s timeout). Here mpiexec goes on after the job as that one
+    did: the launcher ends it once every process's end is recorded, and the job finished."""
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"""#!/bin/sh
+{shutil.which("mpiexec") or Path(sys.executable).parent / "mpiexec"} "$@"
+exec sleep {JOB_TIMEOUT:g}
+""")
+    mpiexec.chmod(0o755)
+    job = launch(tmp_path, 4, "--mpiexec", str(mpiexec), "--inject", "2@7")
+    assert job.rc == 0 and job.result["x_sha256"] == reference_hash, job.output
+    assert "mpiexec outlived every process of the job by" in job.output, job.output
+    outlived = job.summary["launches"][0]["outlived"]
+    assert 10 <= outlived < 15 and not job.summary["timed_out"], job.summary
+    assert sorted(f["end"] for f in job.fates) == ["died", "exited", "exited", "exited"], job.fates  # (a shrink)
+
+
 # ------------------------------------------------------------------ failures inside the machinery
 def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
     job = launch(tmp_path, 4, "--rebuild", "spawn", "--inject", "1@12,3@spawn", program=NUMPY)
