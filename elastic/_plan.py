@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 from elastic.comm import Config, ConfigError
 from elastic.comm.runtime import CONFIG_ROWS
@@ -148,10 +149,21 @@ def _parser() -> argparse.ArgumentParser:
         for row in rows:
             if row.option:
                 default = text(getattr(record, row.name))
-                parser.add_argument(row.option, dest=row.name, type=str if row.choices else row.parse,
+                parser.add_argument(row.option, dest=row.name, type=str if row.choices else _option_type(row.parse),
                                     choices=row.choices, help=f"{row.help} (default {default}; {row.env})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
     return parser
+
+
+def _option_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A row's parser as an option's type: its own words when it refuses a value (argparse would
+    say only "invalid value")."""
+    def convert(value: str) -> Any:
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 def missing_program(plan: LaunchPlan) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from elastic.comm import ConfigError, Group
 from elastic.comm.runtime import Setting, check, fields_match, read, write
+from elastic.recovery import Redundancy
 
 
 class OnNonFinite(enum.Enum):
@@ -51,6 +52,8 @@ class Training:
             ``_gate.TwinCheck``; 0: off).
         gate_every: with ``per_step=True``, the integrity gate runs at the step point of every that
             many steps (``commit()`` runs it always; 0: at ``commit()`` only).
+        redundancy: how a ``State`` keeps its rank-unique values recoverable (``Redundancy``:
+            ``copies:R``, ``xor:K``, ``rs:K+M``); None: its ``replication`` argument's copies.
     """
 
     max_failures: int = 3
@@ -62,6 +65,7 @@ class Training:
     keep_versions: int = 1
     twin_check_every: int = 100
     gate_every: int = 100
+    redundancy: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite.of(self.on_nonfinite))
@@ -104,6 +108,11 @@ ROWS = (
             "--gate-every", "with State(per_step=True): steps between the integrity gate's checks at the step point "
             "(a NaN / Inf stops the job, a rank whose shared values differ from the majority's is replaced); "
             "XXH3 over the shared values, 1/size of them scanned per rank (bench_gate.py); 0: at commit() only"),
+    Setting("redundancy", "ELASTIC_REDUNDANCY", lambda t: str(Redundancy.parse(t)) if t.strip() else None,
+            "takes copies:R, xor:K or rs:K+M", lambda v: v is None or bool(Redundancy.parse(v)), "--redundancy",
+            "how each State keeps its rank-unique values (its shards, RNG states) recoverable: copies:R (R whole "
+            "copies, on R - 1 peers), xor:K (parity over groups of K ranks, 1/(K-1) of the memory, one loss per "
+            "group) or rs:K+M (Reed-Solomon, M losses per group); default: State's replication= (2 copies)"),
 )
 fields_match(ROWS, Training)
 FIELDS = frozenset(row.name for row in ROWS)

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from elastic.comm import ConfigError, Outlook, Recoverable, Unrecoverable, agreed
-from elastic.recovery import Adopt, NothingCommitted, ReplicatedStore
+from elastic.recovery import Adopt, NothingCommitted, ParityStore, Redundancy, ReplicatedStore
 
 from ._capture import INDEX, Capture, StepEnd
 from ._clock import StepClock
@@ -48,6 +48,9 @@ class State:
     Args:
         world: from ``elastic.init()``.
         replication: copies of each rank's committed state (2 survives any one failure).
+        redundancy: instead, ``"copies:R"``, ``"xor:K"`` or ``"rs:K+M"`` (``Redundancy``): parity
+            over groups of K ranks in place of copies, 1/(K-M) of the state per rank for M losses
+            per group (default ``ELASTIC_REDUNDANCY``, else ``replication``'s copies).
         local: names (or first dotted parts) of values that may differ across ranks.
         chunk_bytes: the store's replication unit.
         adopt: after a shrink, which survivor takes a removed rank's values: a function of
@@ -68,7 +71,8 @@ class State:
             values are.
     """
 
-    def __init__(self, world: Recoverable, *, replication: int = 2, local: tuple[str, ...] = (),
+    def __init__(self, world: Recoverable, *, replication: int | None = None, redundancy: str | None = None,
+                 local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
                  keep_versions: int | None = None, twins: Twins | None = None, twinned: tuple[str, ...] = (),
                  **values: Any) -> None:
@@ -78,9 +82,17 @@ class State:
         self._world = world
         settings = Training.of(world)
         keep = settings.keep_versions if keep_versions is None else keep_versions
-        self._store = ReplicatedStore(world, replication=replication, chunk_bytes=chunk_bytes, keep=keep)
-        self._point = recovery_point(world, per_step, twins, lambda: ReplicatedStore(
-            world, replication=replication, chunk_bytes=chunk_bytes), adopt)
+        kept = _redundancy(replication, redundancy, settings.redundancy)
+        if kept.parity and keep > 1:
+            raise ConfigError(f"keep_versions={keep} with redundancy {kept}: older versions are kept as copies; "
+                              "use copies:R, or keep_versions=1")
+
+        def store(keep: int = 1) -> ReplicatedStore:
+            if kept.parity:
+                return ParityStore(world, kept, chunk_bytes=chunk_bytes)
+            return ReplicatedStore(world, replication=kept.copies, chunk_bytes=chunk_bytes, keep=keep)
+        self._store = store(keep)
+        self._point = recovery_point(world, per_step, twins, store, adopt)
         self._adopt = adopt
         self._values = Values(type(self).__name__, frozenset(local), frozenset(twinned))
         self._clock = StepClock(world, settings)
@@ -294,3 +306,15 @@ class State:
     def _roll_back(self, error: NonFinite, mode: OnNonFinite | str) -> None:
         """After ``NonFinite`` (agreed): the gate's answer (``Gate.roll_back``)."""
         self._gate.roll_back(error, OnNonFinite.of(mode), self._store, self._back, self._point.why_no_roll_back)
+
+
+def _redundancy(replication: int | None, redundancy: str | None, setting: str | None) -> Redundancy:
+    """What ``State(replication=, redundancy=)`` asks for, else the job's setting, else 2 copies."""
+    if replication is not None and redundancy is not None:
+        raise ConfigError(f"State(replication={replication}, redundancy={redundancy!r}): give one of them "
+                          f"(copies:{replication} is replication={replication})")
+    if redundancy is not None:
+        return Redundancy.parse(redundancy)
+    if replication is not None:
+        return Redundancy("copies", replication)
+    return Redundancy.parse(setting) if setting else Redundancy("copies", 2)

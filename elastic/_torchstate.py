@@ -37,8 +37,9 @@ class TorchState(State):
 
     def __init__(self, world: Recoverable, *, model: Any = None, optimizer: Any = None,
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
-                 replication: int = 2, local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20,
-                 adopt: Adopt | None = None, per_step: bool = False, keep_versions: int | None = None,
+                 replication: int | None = None, redundancy: str | None = None, local: tuple[str, ...] = (),
+                 chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
+                 keep_versions: int | None = None,
                  twins: Twins | None = None, twinned: tuple[str, ...] = (), **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer and twins is None else ())
         twinned = tuple(twinned) + (("optim",) if shard_optimizer and twins is not None else ())
@@ -48,7 +49,8 @@ class TorchState(State):
                               "else holds it; give twins=elastic.mesh.Mesh(world, r, n // r) (each shard held by r "
                               "ranks that apply the same update, examples/zero1.py), or use per_step=False "
                               "(commit() every few steps)")
-        super().__init__(world, replication=replication, local=local, chunk_bytes=chunk_bytes, adopt=adopt,
+        super().__init__(world, replication=replication, redundancy=redundancy, local=local, chunk_bytes=chunk_bytes,
+                         adopt=adopt,
                          per_step=per_step, keep_versions=keep_versions, twins=twins, twinned=twinned, **values)
         self._per_step = per_step
         self._hooked: tuple[str, Any, Any] | None = None  # per_step: the optimizer's name, its hook's handle, it

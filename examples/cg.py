@@ -85,7 +85,8 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=256, help="grid points per side (a multiple of the ranks)")
     parser.add_argument("--tol", type=float, default=1e-8, help="stop when |r| / |b| is below this")
     parser.add_argument("--max-iterations", type=int, default=2000)
-    parser.add_argument("--replication", type=int, default=2)
+    parser.add_argument("--replication", type=int, default=None,
+                        help="copies of each strip (default: the job's --redundancy, else 2)")
     parser.add_argument("--commit-every", type=int, default=0,
                         help="commit every K iterations instead (0: every iteration a recovery point)")
     args = parser.parse_args()

@@ -42,10 +42,15 @@ class DataLost(Unrecoverable):
     """Every holder of some chunks is dead, so the job cannot go on; ``lost`` maps owner -> chunk
     indices (empty: every chunk, when no live rank even knows the state's size)."""
 
-    def __init__(self, lost: Mapping[int, Sequence[int]], what: str | None = None) -> None:
+    def __init__(self, lost: Mapping[int, Sequence[int]], what: str | None = None,
+                 parity: bool = False) -> None:
         self.lost = {o: sorted(c) for o, c in lost.items()}
         owners = ", ".join(f"logical rank {o}: {f'chunks {c}' if c else 'every chunk'}"
                            for o, c in sorted(self.lost.items()))
+        if parity:  # a group lost more members than its parity survives
+            super().__init__(f"state lost, more members of a parity group died than it survives ({what}); choose "
+                             "rs:K+M with a larger M, copies:R, or spread ranks over more failure domains")
+            return
         super().__init__(f"state lost, every replica died ({what or owners}); raise the replication level "
                          "or spread ranks over more failure domains")
 

@@ -60,6 +60,7 @@ class _Sent:
     buffer: np.ndarray                     # where the copies arrived
     hash_later: bool                       # their checksums are taken after the vote, in a thread
     seconds: tuple[float, float, float]    # the exchange's start, its end, the checksums' end
+    parity: Any = None                     # a parity store's blocks of the group (``_paritystore``)
 
 
 class ReplicatedStore:
@@ -209,7 +210,7 @@ class ReplicatedStore:
         self._keep_fetched(number, layout, nbytes, fetched)
         world.events.emit("store_recovered", version=number, dead=list(fetch.dead), receivers=fetch.receiver,
                           bytes_moved=self.bytes_moved, durations=self.last_recovery, replicated=not fetch.dead,
-                          given_up=self.given_up)
+                          given_up=self.given_up, came_back={o: "copy" for o in fetch.dead if o not in self.given_up})
         return True
 
     def fall_back(self) -> int | None:
@@ -251,7 +252,8 @@ class ReplicatedStore:
         retired = self._chain.retiring()  # its buffers are the new version's to reuse
         payload = self._backing.keep(version, segments, total, retired.payloads.get(me) if retired else None,
                                      retired.buffer if retired else None, lambda: world.job.host_peers)
-        self._chain.push(Version(version, sent.layout, sent.sizes, {me: payload}, sent.held, True, sent.buffer))
+        self._chain.push(Version(version, sent.layout, sent.sizes, {me: payload}, sent.held, True, sent.buffer,
+                                 sent.parity))
         if sent.hash_later:  # the holder checks what it keeps, off everyone's path: from here, not while the
             self._sums.take(sent.held, later=True)  # peers' exchanges still run (it took their cores: the vote waited)
         t5 = time.perf_counter()

@@ -10,7 +10,7 @@ rank told); a recovery keeps only the current one (a replacement holds no other)
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class Version:
     held: dict[tuple[int, int, int], Held]    # (owner, copy, first chunk) -> the piece kept for it
     complete: bool = True                     # every piece the layout gives this rank is here
     buffer: np.ndarray | None = None          # what the held pieces are views of
+    parity: Any = None                        # a parity store's blocks instead of held pieces
 
 
 class VersionChain:

@@ -3,11 +3,15 @@ combinations that would each cost a real job seconds. Every failure-table row ke
 under mpiexec (CONTRIBUTING.md); these check the logic around it."""
 from __future__ import annotations
 
+import itertools
+import re
+
 import numpy as np
 import pytest
 
 import elastic
-from elastic.recovery import DataLost, share
+from elastic import ConfigError
+from elastic.recovery import DataLost, Redundancy, share
 from elastic.testing import SimJob
 
 STEPS = 8
@@ -935,3 +939,68 @@ def test_twins_sharing_a_failure_domain_in_a_job_that_spans_several_are_said_onc
     apart = SimJob(4, domains=("a", "a", "b", "b"))
     apart.run(_twin_main(steps=2))
     assert not apart.of("twins_colocated")
+
+
+# ------------------------------------------------------------------ parity instead of copies
+def _uneven(redundancy: str):
+    """_main's loop with shards of a different length on each rank (the parity's padding) and a
+    commit every step."""
+    def main(world):
+        me = int(world.logical_rank)
+        state = elastic.State(world, redundancy=redundancy, local=("shard",), w=np.zeros(4), step=0,
+                              **{f"shard.{me}": np.full(3 + 5 * me, float(me))})
+
+        @elastic.run
+        def train(world, state):
+            while state.step < STEPS:
+                g = np.full(4, float(world.logical_rank + 1) * (state.step + 1))
+                world.allreduce([g], step=state.step)
+                state.w = state.w + g / world.size
+                for name in state.names():
+                    if name.startswith("shard."):
+                        state[name] = state[name] * 1.5 + 1
+                state.step += 1
+                state.record_step(state.step)
+                state.commit()
+            return {"w": state.w.tobytes().hex(),
+                    "shards": {n: state[n].tobytes().hex() for n in sorted(state.names()) if n.startswith("shard.")}}
+        return train(world, state)
+    return main
+
+
+@pytest.fixture(scope="module")
+def uneven_reference():
+    return SimJob(4).run(_uneven("copies:2"))
+
+
+@pytest.mark.parametrize("redundancy", ["xor:4", "rs:4+2"])
+@pytest.mark.parametrize("lost", [c for n in (1, 2, 3) for c in itertools.combinations(range(4), n)])
+def test_every_loss_pattern_of_a_parity_group_comes_back_bitwise_or_is_data_lost(uneven_reference, redundancy, lost):
+    job = SimJob(4, spares=len(lost), inject=",".join(f"{r}@3" for r in lost), rebuild=("spare",))
+    if len(lost) <= Redundancy.parse(redundancy).m:
+        assert job.run(_uneven(redundancy)) == uneven_reference
+        assert {tuple(e["dead"]) for e in job.of("store_recovered")} == {lost}
+        assert all(e["came_back"] == {d: "parity" for d in lost} for e in job.of("store_recovered"))
+    else:
+        with pytest.raises(DataLost, match=re.escape(f"parity group [0, 1, 2, 3] ({redundancy}) lost logical ranks "
+                                                     f"{list(lost)}")):
+            job.run(_uneven(redundancy))
+
+
+def test_after_a_shrink_the_adopter_decodes_the_removed_ranks_parity_kept_values(uneven_reference):
+    job = SimJob(4, inject="2@3", rebuild=("shrink",))
+    got = job.run(_uneven("xor:4"))
+    shards = {n: v for r in got for n, v in got[r]["shards"].items()}
+    assert sorted(got) == [0, 1, 3] and shards == {n: v for r in uneven_reference
+                                                   for n, v in uneven_reference[r]["shards"].items()}
+
+
+def test_redundancy_and_replication_together_are_refused_and_the_setting_is_the_default():
+    from elastic._state import _redundancy
+    with pytest.raises(ConfigError, match="give one of them"):
+        _redundancy(3, "xor:2", None)
+    assert str(_redundancy(None, None, "rs:6+2")) == "rs:6+2" and str(_redundancy(None, None, None)) == "copies:2"
+    for program, way in ((_uneven(None), "parity"), (_main(), "copy")):  # _main asks for replication=2
+        job = SimJob(4, spares=1, inject="1@3", rebuild=("spare",), redundancy="xor:4")
+        job.run(program)
+        assert job.of("store_recovered") and all(e["came_back"] == {1: way} for e in job.of("store_recovered"))
