@@ -61,6 +61,7 @@ class _Sent:
     hash_later: bool                       # their checksums are taken after the vote, in a thread
     seconds: tuple[float, float, float]    # the exchange's start, its end, the checksums' end
     parity: Any = None                     # a parity store's blocks of the group (``_paritystore``)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds inside the exchange's, by name
 
 
 class ReplicatedStore:
@@ -261,7 +262,7 @@ class ReplicatedStore:
         t1, t2, t3 = sent.seconds
         world.events.emit("committed", version=version, bytes_out=self.bytes_moved,
                           durations={"prepare": t1 - t0, "exchange": t2 - t1, "checksum": t3 - t2,
-                                     "vote": t4 - t3, "pack": t5 - t4},
+                                     "vote": t4 - t3, "pack": t5 - t4, **sent.phases},
                           payload_bytes=int(total), replicated_bytes=int(replicated),
                           held_chunks=sum(h.piece.count for h in sent.held.values()), replicated=True)
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_store.py --plan --ranks 64 1024 4096 16384 --chunks 1024 [--json]
     python scripts/bench_store.py --sizes 16 128 512 --ranks 4 8 [--json]
+    python scripts/bench_store.py --sizes 16 128 --ranks 8 --redundancy copies:2,xor:4,xor:8,rs:4+2 [--json]
 
 ``--plan`` (one process, no MPI): for ``n`` ranks on hosts of 8 and ``--chunks``
 chunks per rank, the seconds one rank spends on placement for a commit (the
@@ -20,6 +21,12 @@ then logical rank 1 is SIGKILLed and the spare takes over: kill -> the
 world rebuilt -> the state fetched from the peers -> rolled back in place on
 every rank ('down'), against the floor of ULFM (kill -> seen -> world rebuilt)
 plus the lost bytes at the measured point-to-point bandwidth.
+
+``--redundancy``: each of these ways of keeping the state (``copies:R``, ``xor:K``, ``rs:K+M``), one
+job each, in turn for every size; ``rs:K+M`` loses M ranks of one group at once (M spares) and must
+come back bitwise. Encode = the state over the seconds the commit spends adding blocks into its
+parity (XOR, GF(2^8): the arithmetic, its traffic is the exchange phase), decode = the state over
+the fetch, both against the same job's memcpy and p2p rates.
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from elastic.comm.events import read_events  # noqa: E402  (no MPI: the tool does not start it)
 CHUNK = 8 << 20
-PHASES = ("prepare", "exchange", "checksum", "vote", "pack")
+PHASES = ("prepare", "exchange", "encode", "checksum", "vote", "pack")
 
 
 # ---------------------------------------------------------------------------- planning, one process
@@ -100,10 +107,10 @@ def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
     return {"p2p_s": statistics.median(times), "memcpy_s": time.perf_counter() - t}
 
 
-def worker(mb: int, rollback_copy: bool) -> int:
+def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     import elastic
     from mpi4py import MPI
-    from elastic.recovery import ReplicatedStore
+    from elastic.recovery import ParityStore, Redundancy, ReplicatedStore
 
     nbytes = mb << 20
     base, _ = _memory()
@@ -114,10 +121,12 @@ def worker(mb: int, rollback_copy: bool) -> int:
     run_dir = Path(os.environ["ELASTIC_RUN_DIR"])
     if world.role is not elastic.Role.RECOVERED:
         state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
-    store = ReplicatedStore(world, replication=2, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
+    kept = Redundancy.parse(redundancy)
+    store = ParityStore(world, kept, chunk_bytes=CHUNK, rollback_copy=rollback_copy) if kept.parity else \
+        ReplicatedStore(world, replication=kept.copies, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
+    killed = range(1, 1 + _losses(kept))
     out: dict[str, float] = {}
     if world.role is not elastic.Role.RECOVERED:
-        out.update(raw_bandwidth(world, state["weights"]))
         times = []
         for v in range(5):
             comm.Barrier()
@@ -127,14 +136,16 @@ def worker(mb: int, rollback_copy: bool) -> int:
         rss, peak = _memory()
         out["commit_cold_s"], out["commit_s"] = times[0], statistics.median(times[2:])
         out["steady_over_state"], out["peak_over_state"] = (rss - base) / nbytes, (peak - base) / nbytes
+        out.update(raw_bandwidth(world, state["weights"]))  # after: its receive buffer is no memory of the store's
         comm.Barrier()
-        if world.logical_rank == 1:
-            (run_dir / "killed_at").write_text(repr(time.time()))
+        if world.logical_rank in killed:
+            if world.logical_rank == 1:
+                (run_dir / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             with world.mpi.guard():
                 comm.Barrier()
-            raise SystemExit("rank 1 was killed but the barrier completed")
+            raise SystemExit("ranks were killed but the barrier completed")
         except elastic.ProcessFailure:
             pass
         rebuild = world.recover()
@@ -151,17 +162,24 @@ def worker(mb: int, rollback_copy: bool) -> int:
     results = comm.gather(out, root=0)
     if world.rank == 0:
         merged = {k: statistics.median(r[k] for r in results if k in r) for k in results[0]}
-        merged.update(fetch_s=fetch, restored_ok=bool(all_ok), mb=mb, ranks=world.size,
+        merged.update(fetch_s=fetch, restored_ok=bool(all_ok), mb=mb, ranks=world.size, lost=len(killed),
                       down_s=done - float((run_dir / "killed_at").read_text()))
         (run_dir / "bench.json").write_text(json.dumps(merged))
     world.finish()
     return 0
 
 
-def bytes_row(n: int, mb: int, rollback_copy: bool) -> dict | str:
+def _losses(kept) -> int:
+    """Ranks one job loses at once: as many as a parity group survives (one for copies)."""
+    return kept.m if kept.parity else 1
+
+
+def bytes_row(n: int, mb: int, rollback_copy: bool, redundancy: str = "copies:2") -> dict | str:
+    from elastic.recovery import Redundancy
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", "1", "--timeout", "900",
-               "--run-dir", tmp, "--", sys.executable, __file__, "--worker", str(mb)]
+        spares = _losses(Redundancy.parse(redundancy))
+        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", str(spares), "--timeout", "900",
+               "--run-dir", tmp, "--", sys.executable, __file__, "--worker", str(mb), "--redundancy", redundancy]
         cmd += [] if rollback_copy else ["--no-rollback-copy"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
         bench = Path(tmp, "bench.json")
@@ -174,8 +192,10 @@ def bytes_row(n: int, mb: int, rollback_copy: bool) -> dict | str:
         r["rebuild_s"] = rebuilt - float(Path(tmp, "killed_at").read_text())
     p2p_bw = (mb << 20) / r["p2p_s"]
     floor = r["rebuild_s"] + (mb << 20) / p2p_bw
-    return {"ranks": n, "mb": mb, "rollback_copy": rollback_copy, "p2p_mb_s": mb / r["p2p_s"],
-            "memcpy_mb_s": mb / r["memcpy_s"],
+    return {"ranks": n, "mb": mb, "redundancy": redundancy, "lost": r["lost"], "rollback_copy": rollback_copy,
+            "p2p_mb_s": mb / r["p2p_s"], "memcpy_mb_s": mb / r["memcpy_s"],
+            "encode_mb_s": mb / phases["commit_encode_s"] if phases.get("commit_encode_s") else None,
+            "decode_mb_s": mb / r["fetch_s"],
             "commit_cold_s": r["commit_cold_s"], "commit_s": r["commit_s"],
             "commit_over_p2p": r["p2p_s"] / r["commit_s"],
             "memory_over_state": r["steady_over_state"], "peak_over_state": r["peak_over_state"],
@@ -205,11 +225,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     parser.add_argument("--copy", choices=("both", "yes", "no"), default="both",
                         help="rows with the store's roll-back copy (the default store), without it, or both")
+    parser.add_argument("--redundancy", default="copies:2",
+                        help="comma-separated ways to keep the state, one job each in turn: copies:R, xor:K, rs:K+M")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-rollback-copy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(args.worker, not args.no_rollback_copy)
+        return worker(args.worker, not args.no_rollback_copy, args.redundancy)
     if args.plan:
         head = ("ranks", "chunks", "place s", "plan rank s", "plan host s", "busiest/fair rank", "busiest/fair host")
         if not args.json:
@@ -225,28 +247,32 @@ def main() -> int:
                          r["busiest_rank_over_fair"], r["busiest_host_over_fair"])
                 print(" ".join(f"{c:>17.4f}" if isinstance(c, float) else f"{c:>17}" for c in cells), flush=True)
         return 0
-    head = ("ranks", "MB", "copy", "p2p MB/s", "memcpy MB/s", "cold commit", "commit s", "commit/p2p", "mem/state",
-            "peak/state", "rebuild s", "fetch s", "down s", "floor s", "down/floor", "bitwise")
+    keys = ("ranks", "mb", "redundancy", "lost", "rollback_copy", "p2p_mb_s", "memcpy_mb_s", "encode_mb_s",
+            "decode_mb_s", "commit_cold_s", "commit_s", "commit_over_p2p", "memory_over_state", "peak_over_state",
+            "rebuild_s", "fetch_s", "down_s", "floor_s", "down_over_floor", "bitwise")
+    head = ("ranks", "MB", "redundancy", "lost", "copy", "p2p MB/s", "memcpy MB/s", "encode MB/s", "decode MB/s",
+            "cold commit", "commit s", "commit/p2p", "mem/state", "peak/state", "rebuild s", "fetch s", "down s",
+            "floor s", "down/floor", "bitwise")
     if not args.json:
-        print("replication 2, 8 MB chunks, one spare; commit/p2p = raw ring Sendrecv time over commit time; "
-              "mem = RSS over the state (the state counts 1); down = kill -> rebuilt, fetched, rolled back; "
+        print("8 MB chunks, a spare per rank lost; commit/p2p = raw ring Sendrecv time over commit time; "
+              "mem = RSS over the state (the state counts 1); encode = MB over the commit's arithmetic (parity), "
+              "decode = MB over the fetch; down = kill -> rebuilt, fetched, rolled back; "
               "floor = ULFM (kill -> seen -> world rebuilt) + lost MB at the p2p bandwidth")
         print(" ".join(f"{h:>11}" for h in head), flush=True)
     copies = {"both": (True, False), "yes": (True,), "no": (False,)}[args.copy]
-    for n, mb, copy in ((n, mb, c) for n in args.ranks or [4, 8] for mb in args.sizes for c in copies):
+    ways = [w.strip() for w in args.redundancy.split(",") if w.strip()]
+    rows = [(n, mb, c, w) for n in args.ranks or [4, 8] for mb in args.sizes for c in copies for w in ways]
+    for n, mb, copy, way in rows:  # the ways alternate within each size
         if n * mb > args.max_total_mb:
             print(f"{n:>11} {mb:>11}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
             continue
-        r = bytes_row(n, mb, copy)
+        r = bytes_row(n, mb, copy, way)
         if isinstance(r, str):
-            print(f"{n:>11} {mb:>11}  {r}", flush=True)
+            print(f"{n:>11} {mb:>11} {way:>11}  {r}", flush=True)
         elif args.json:
             print(json.dumps(r), flush=True)
         else:
-            cells = [r[k] for k in ("ranks", "mb", "rollback_copy", "p2p_mb_s", "memcpy_mb_s", "commit_cold_s",
-                                    "commit_s", "commit_over_p2p", "memory_over_state", "peak_over_state", "rebuild_s",
-                                    "fetch_s", "down_s", "floor_s", "down_over_floor", "bitwise")]
-            print(" ".join(f"{c:>11.3f}" if isinstance(c, float) else f"{c!s:>11}" for c in cells), flush=True)
+            print(" ".join(f"{r[k]:>11.3f}" if isinstance(r[k], float) else f"{r[k]!s:>11}" for k in keys), flush=True)
             print(f"{'':>23}commit phases (s): " + ", ".join(
                 f"{k[7:-2]} {v:.3f}" for k, v in r.items() if k.startswith("commit_") and k[7:-2] in PHASES),
                 flush=True)

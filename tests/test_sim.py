@@ -942,12 +942,13 @@ def test_twins_sharing_a_failure_domain_in_a_job_that_spans_several_are_said_onc
 
 
 # ------------------------------------------------------------------ parity instead of copies
-def _uneven(redundancy: str):
+def _uneven(redundancy: str | None, chunk_bytes: int = 1 << 20):
     """_main's loop with shards of a different length on each rank (the parity's padding) and a
-    commit every step."""
+    commit every step (``chunk_bytes``: small, a parity commit goes in several exchanges)."""
     def main(world):
         me = int(world.logical_rank)
         state = elastic.State(world, redundancy=redundancy, local=("shard",), w=np.zeros(4), step=0,
+                              chunk_bytes=chunk_bytes,
                               **{f"shard.{me}": np.full(3 + 5 * me, float(me))})
 
         @elastic.run
@@ -973,18 +974,22 @@ def uneven_reference():
     return SimJob(4).run(_uneven("copies:2"))
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 24])  # one exchange per commit; up to 8, in pieces
 @pytest.mark.parametrize("redundancy", ["xor:4", "rs:4+2"])
 @pytest.mark.parametrize("lost", [c for n in (1, 2, 3) for c in itertools.combinations(range(4), n)])
-def test_every_loss_pattern_of_a_parity_group_comes_back_bitwise_or_is_data_lost(uneven_reference, redundancy, lost):
+def test_every_loss_pattern_of_a_parity_group_comes_back_bitwise_or_is_data_lost(uneven_reference, redundancy, lost,
+                                                                                  chunk_bytes):
     job = SimJob(4, spares=len(lost), inject=",".join(f"{r}@3" for r in lost), rebuild=("spare",))
     if len(lost) <= Redundancy.parse(redundancy).m:
-        assert job.run(_uneven(redundancy)) == uneven_reference
+        assert job.run(_uneven(redundancy, chunk_bytes)) == uneven_reference
         assert {tuple(e["dead"]) for e in job.of("store_recovered")} == {lost}
         assert all(e["came_back"] == {d: "parity" for d in lost} for e in job.of("store_recovered"))
     else:
         with pytest.raises(DataLost, match=re.escape(f"parity group [0, 1, 2, 3] ({redundancy}) lost logical ranks "
                                                      f"{list(lost)}")):
-            job.run(_uneven(redundancy))
+            job.run(_uneven(redundancy, chunk_bytes))
+    commits = [e for e in job.of("committed") if e["gen"] == 0]
+    assert commits and all(e["bytes_out"] > 0 for e in commits)
 
 
 def test_after_a_shrink_the_adopter_decodes_the_removed_ranks_parity_kept_values(uneven_reference):
@@ -1004,3 +1009,13 @@ def test_redundancy_and_replication_together_are_refused_and_the_setting_is_the_
         job = SimJob(4, spares=1, inject="1@3", rebuild=("spare",), redundancy="xor:4")
         job.run(program)
         assert job.of("store_recovered") and all(e["came_back"] == {1: way} for e in job.of("store_recovered"))
+
+
+def test_a_second_loss_before_the_groups_next_commit_counts_the_replacement_without_parity():
+    # Rank 1's replacement holds its payload but no parity until the group commits again: rank 2 lost
+    # before that leaves xor:4 two members short; rs:4+2 decodes it.
+    job = SimJob(4, spares=2, inject="1@3,2@3/g1", rebuild=("spare",))
+    with pytest.raises(DataLost, match=re.escape("lost logical ranks [2], and [1] hold no parity of it")):
+        job.run(_uneven("xor:4"))
+    job = SimJob(4, spares=2, inject="1@3,2@3/g1", rebuild=("spare",))
+    assert job.run(_uneven("rs:4+2")) == SimJob(4).run(_uneven("copies:2"))
