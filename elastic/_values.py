@@ -28,6 +28,7 @@ class Values:
         self.local, self.twinned = local | twinned | {INDEX}, twinned
         self.handlers: dict[str, Handler] = {}  # every value, the program's and the State's own
         self.public: set[str] = set()            # the program's: state[name], names()
+        self.adopted: set[str] = set()           # values taken over from removed ranks (a shrink's)
 
     def set(self, name: str, value: Any) -> None:
         """The program's value ``name`` (``state[name] = value``)."""
@@ -59,7 +60,8 @@ class Values:
     def apply(self, arrays: Mapping[str, np.ndarray], adopting: bool = False) -> None:
         """Take the values in ``arrays`` (read-only views of the store), each through its handler;
         names without one get the handler their index names. ``adopting``: another rank's values,
-        taken only where this rank has none of that name."""
+        taken where this rank has none of that name or took that one over before (a roll-back
+        of a value adopted since the last commit), never over a value of its own."""
         arrays = dict(arrays)
         index = arrays.pop(INDEX, None)
         labels: dict[str, str] = wire.join(index, lambda path, kind: None) if index is not None else {}
@@ -69,7 +71,9 @@ class Values:
                 handler = self.handlers[name] = adopted(labels.get(name, "plain:numpy"), name, group)
                 if not isinstance(handler, Held):
                     self.public.add(name)
-            elif not adopting:
+                if adopting:
+                    self.adopted.add(name)
+            elif not adopting or name in self.adopted:
                 handler.apply(name, group)
 
     def take_changed(self, changed: Mapping[str, np.ndarray]) -> None:
