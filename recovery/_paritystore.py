@@ -78,8 +78,8 @@ class Decode:
 def plan_decodes(layout: Layout, fetch: Fetch, redundancy: Redundancy, no_parity: frozenset[int]
                  ) -> tuple[list[Decode], dict[tuple[int, ...], tuple[int, ...]]]:
     """Each group with a dead member: who decodes it; and the groups that cannot be decoded, with
-    their lost members (pure). ``no_parity``: live ranks holding no parity of the version (a
-    replacement since its last commit, a corrupt block)."""
+    their lost members (pure). ``no_parity``: the version's members whose parity is not on a live
+    rank (dead, removed by a shrink, a replacement since the last commit, a corrupt block)."""
     decodes, lost_groups = [], {}
     seen: set[tuple[int, ...]] = set()
     for owner in fetch.dead:
@@ -100,8 +100,8 @@ def _lost_group(group: tuple[int, ...], dead: tuple[int, ...], no_parity: frozen
                 redundancy: Redundancy) -> str:
     without = sorted(set(group) & no_parity - set(dead))
     return (f"parity group {list(group)} ({redundancy}) lost logical ranks {list(dead)}"
-            + (f", and {without} hold no parity of it (recovered since its last commit, or corrupt)" if without
-               else ""))
+            + (f", and {without} hold no parity of it (removed or recovered since its last commit, or corrupt)"
+               if without else ""))
 
 
 def decode_sums(decodes: Sequence[Decode], sizes: Mapping[int, int]
@@ -323,7 +323,10 @@ class ParityStore(ReplicatedStore):
         current = self._chain.current
         layout: Layout = world.bcast(current.layout if world.rank == root and current else None, root=root)
         fetch = plan_fetch(layout, active, offers, number, adopt)
-        no_parity = frozenset(r for r, offer in zip(active, offers) if offer[0] != number or not offer[1])
+        # Members of the version's groups whose parity is not here: dead, removed by a shrink (an adopter
+        # holds the payload, not the parity), or recovered since the last commit (no parity yet).
+        with_parity = {r for r, offer in zip(active, offers) if offer[0] == number and offer[1]}
+        no_parity = frozenset(o for o in layout.ranks if o not in with_parity)
         t0 = time.perf_counter()
         checked = 0.0
         while True:

@@ -1019,3 +1019,20 @@ def test_a_second_loss_before_the_groups_next_commit_counts_the_replacement_with
         job.run(_uneven("xor:4"))
     job = SimJob(4, spares=2, inject="1@3,2@3/g1", rebuild=("spare",))
     assert job.run(_uneven("rs:4+2")) == SimJob(4).run(_uneven("copies:2"))
+    # After a shrink the adopter holds the removed rank's payload, not its parity: the same exposure.
+    with pytest.raises(DataLost, match=re.escape("lost logical ranks [2], and [1] hold no parity of it")):
+        SimJob(4, inject="1@3,2@3/g1", rebuild=("shrink",)).run(_uneven("xor:4"))
+    got = SimJob(4, inject="1@3,2@3/g1", rebuild=("shrink",)).run(_uneven("rs:4+2"))
+    assert sorted(got) == [0, 3] and {n: v for r in got for n, v in got[r]["shards"].items()} == \
+        {n: v for r, out in SimJob(4).run(_uneven("copies:2")).items() for n, v in out["shards"].items()}
+
+
+@pytest.mark.parametrize("redundancy", ["copies:3", "rs:4+2"])
+def test_a_value_adopted_in_a_shrink_rolls_back_when_a_second_shrink_comes_before_its_next_commit(redundancy):
+    """Logical rank 0 adopts rank 1's shard at version 2 and steps it once; rank 2 dies before the
+    commit of that step: the adopted shard goes back to version 2 with rank 0's own values (it kept
+    the uncommitted step, one update ahead of the failure-free run, until adopted values rolled back)."""
+    got = SimJob(4, inject="1@3,2@3/g1", rebuild=("shrink",)).run(_uneven(redundancy))
+    assert sorted(got) == [0, 3]
+    assert {n: v for r in got for n, v in got[r]["shards"].items()} == \
+        {n: v for r, out in SimJob(4).run(_uneven("copies:2")).items() for n, v in out["shards"].items()}
