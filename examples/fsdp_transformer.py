@@ -223,7 +223,9 @@ def main() -> int:
     add_arguments(parser)
     parser.add_argument("--tie", action="store_true", help="tie the output head to the token embedding")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 parameters, fp32 reductions")
-    parser.add_argument("--replication", type=int, default=2, help="copies of each rank's checkpoint in peers' memory")
+    parser.add_argument("--replication", type=int, default=None,
+                        help="copies of each rank's checkpoint in peers' memory (default: the job's "
+                             "--redundancy, else 2)")
     parser.add_argument("--ddp", action="store_true",
                         help="the same model and loop under torch DDP instead (the benchmark's baseline)")
     args = parser.parse_args()

@@ -351,8 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit-every", type=int, default=0,
                         help="commit every N steps (the way back when every twin of a slice dies; 0: never)")
-    parser.add_argument("--replication", type=int, default=2,
-                        help="copies of each rank's own values (RNG states, step) in peers' memory, its own included")
+    parser.add_argument("--replication", type=int, default=None,
+                        help="copies of each rank's own values (RNG states, step) in peers' memory, its own included "
+                             "(default: the job's --redundancy, else 2)")
     parser.add_argument("--plain", action="store_true", help="torchrun + Gloo, no fault tolerance (the baseline)")
 
 

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-every", type=int, default=5)
     parser.add_argument("--lr-step", type=int, default=0,
                         help="decay the learning rate by 0.7 every N steps (a StepLR, stored in the State)")
-    parser.add_argument("--replication", type=int, default=2)
+    parser.add_argument("--replication", type=int, default=None,
+                        help="copies of each rank's own state (default: the job's --redundancy, else 2)")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -27,7 +27,11 @@ the second, or, as for every program, a rank and every holder of its per-step
 copy (its random streams) died together. ``--collective-kills``:
 every run instead SIGKILLs one random rank at a random step inside that step's
 first reduction (DDP's gradient all-reduce, FSDP2's reduce-scatter), a spare takes over, and the result must be bitwise.
-``--data-faults``: more than half of the runs also get, before the kills, a data fault on a third
+``--redundancy xor:4`` (or ``rs:K+M``): the rank-unique state kept by parity instead of copies
+(``--redundancy`` to the launcher, no ``--replication``): the 4 ranks are one group, so a loss
+is expected when more of its members die in one exposure window (between a failure and the next
+commit of a later generation: a replacement or an adopter holds no parity before it) than the
+group survives. ``--data-faults``: more than half of the runs also get, before the kills, a data fault on a third
 rank: a NaN in its gradients (``nan``: the gate keeps the version from becoming current, every rank
 rolls back and runs the step again), a flipped bit in its model (``bitflip``: fenced at the next
 commit, replaced like a dead rank) or an 8x slowdown (``slow=8``, with ``--straggler 3:3``: evicted
@@ -59,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.comm.events import read_events, read_outcomes, read_result  # noqa: E402
-from elastic.recovery import place_replicas  # noqa: E402
+from elastic.recovery import Redundancy, place_replicas  # noqa: E402
 
 RANKS, STEPS, COMMIT_EVERY, CHUNK = 4, 30, 5, 1 << 20
 PROGRAMS = {"train": "examples/train.py", "ddp": "examples/ddp.py", "fsdp": "examples/fsdp.py",
@@ -81,10 +85,12 @@ class Scenario:
     inject: str
     stall: bool = False
     straggler: bool = False
+    redundancy: str | None = None  # parity instead of ``replication`` copies
 
     def args(self) -> list[str]:
         out = ["--rebuild", self.rebuild, "--spares", str(self.spares), "--inject", self.inject,
                "--hang-timeout", str(HANG_TIMEOUT)]
+        out += ["--redundancy", self.redundancy] if self.redundancy else []
         out += ["--straggler", "3:3"] if self.straggler else []
         return out + (["--progress-timeout", str(PROGRESS_TIMEOUT)] if self.stall else [])
 
@@ -254,6 +260,9 @@ def loss_expected(run_dir: Path, scenario: Scenario, chunks: int) -> bool:
             groups[-1].append(e)  # no commit re-made the copies in between: still exposed
         else:
             groups.append([e])
+    if scenario.redundancy:  # one parity group of every rank: more victims in a window than it survives
+        survives = Redundancy.parse(scenario.redundancy).m
+        return any(len({e["rank"] for e in group}) > survives for group in groups)
     placement = place_replicas(list(range(RANKS)), {r: "host" for r in range(RANKS)}, scenario.replication,
                                {r: chunks for r in range(RANKS)})
     for group in groups:
@@ -379,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="every run: a SIGKILL inside a random step's first reduction, a spare, bitwise")
     parser.add_argument("--data-faults", action="store_true",
                         help="most runs also get a NaN, a bit flip or a slow rank before the kills (train only)")
+    parser.add_argument("--redundancy", help="xor:K or rs:K+M: the rank-unique state kept by parity (train, ddp)")
     args = parser.parse_args(argv)
+    if args.redundancy:
+        Redundancy.parse(args.redundancy)
+        if args.program not in ("train", "ddp"):
+            parser.error("--redundancy: with --program train or ddp (whose State keeps rank-unique values)")
     program = program_of(args, parser)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
@@ -391,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             else draw_collective_kill(rng) if args.collective_kills else draw(rng)
         if args.data_faults:
             scenario = with_data_fault(rng, scenario)
+        if args.redundancy:
+            scenario = dataclasses.replace(scenario, redundancy=args.redundancy, replication=2)
         ref = reference(program, scenario.replication, work, refs)
         run_dir = work / f"run-{i}"
-        rc, out, seconds = launch(scenario.args(), program + _replication(program, scenario.replication),
-                                  run_dir, args.bound)
+        copies = () if scenario.redundancy else _replication(program, scenario.replication)
+        rc, out, seconds = launch(scenario.args(), program + copies, run_dir, args.bound)
         verdict, detail = check(scenario, rc, run_dir, ref, args.program)
         row = {"run": i, **dataclasses.asdict(scenario), "rc": rc, "verdict": verdict, "detail": detail,
                "seconds": round(seconds, 1)}
@@ -406,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{i:>4} {scenario.mode:>6} r{scenario.replication} {scenario.inject:<44} rc {rc:>3} "
+            kept = scenario.redundancy or f"r{scenario.replication}"
+            print(f"{i:>4} {scenario.mode:>6} {kept:>6} {scenario.inject:<44} rc {rc:>3} "
                   f"{seconds:6.1f} s  {verdict}: {detail}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("correct", "clear error", "hang", "mismatch")}
