@@ -10,7 +10,8 @@ max), the modes' jobs interleaved over the run (a slow spell of this shared
 machine lands on every mode alike):
 
   (a) shrink (a job loses at most n - 2 ranks, so it takes several jobs),
-      (b) spare substitute, (c) spawn substitute: the elastic loop recovers
+      (b) spare substitute, (b') the same with the rank-unique state kept by parity (``--parity
+      xor:4``: the ballast decoded from its group), (c) spawn substitute: the elastic loop recovers
       in-process from the replicated store; the spawned process forked from the
       launcher's warm process (the default), and (c') the same started cold
       (``--cold``: a new interpreter importing everything);
@@ -260,7 +261,8 @@ def in_memory(n: int, mb: int, mode: str, kills: int, a: argparse.Namespace, run
     from elastic.report import timeline
     # A shrink removes the logical rank it lost: the next kill takes the next one.
     where = ",".join(f"{g + 1 if mode == 'shrink' else 1}@{a.interval * (g + 1) + 7}/g{g}" for g in range(kills))
-    launcher = {"shrink": ["--rebuild", "shrink"], "spare": ["--spares", str(kills), "--rebuild", "spare"],
+    spare = ["--spares", str(kills), "--rebuild", "spare"]
+    launcher = {"shrink": ["--rebuild", "shrink"], "spare": spare, "spare-parity": spare + ["--redundancy", a.parity],
                 "spawn": ["--rebuild", "spawn"], "spawn-cold": ["--rebuild", "spawn", "--cold"]}[mode] + \
         ["--inject", where]
     steps = a.interval * (kills + 1) + 10
@@ -414,7 +416,7 @@ def every_mode(n: int, mb: int, a: argparse.Namespace, root: Path) -> dict[str, 
         return lambda kills, run_dir: in_memory(n, mb, mode, kills, a, run_dir)
     jobs = {"floor": (1, lambda kills, _: floor(n, mb, kills)),
             "shrink": (max(1, n - 2), job("shrink")),  # two ranks left at least
-            **{m: (a.reps, job(m)) for m in ("spare", "spawn", "spawn-cold")},
+            **{m: (a.reps, job(m)) for m in ("spare", "spare-parity", "spawn", "spawn-cold")},
             "restart": (a.reps, lambda kills, run_dir: restart(n, mb, kills, a, run_dir))}
     return alternated(jobs, {m: a.reps for m in jobs} | {"restart": a.restart_reps}, root)
 
@@ -452,6 +454,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 128], help="MB of state per rank")
     parser.add_argument("--reps", type=int, default=8, help="failures per mode and configuration")
+    parser.add_argument("--parity", default="xor:4",
+                        help="the spare-parity mode's --redundancy: (b) with the rank-unique state kept by parity")
     parser.add_argument("--restart-reps", type=int, default=4,
                         help="failures for checkpoint-restart (each a cold relaunch: seconds)")
     parser.add_argument("--interval", type=int, default=10, help="steps between commits / checkpoints")
@@ -496,7 +500,7 @@ def main() -> int:
         floor_s = med(rows["floor"], "shrunk") + med(rows["floor"], "p2p")
         r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat, "floor_s": floor_s}
         results.append(r)
-        for mode in ("shrink", "spare", "spawn", "spawn-cold", "restart"):
+        for mode in ("shrink", "spare", "spare-parity", "spawn", "spawn-cold", "restart"):
             table.append({"mode": mode, "ranks": n, "mb": mb, "kills": len(rows[mode]),
                           "median_s": med(rows[mode], "total"), "mean_s": mean(rows[mode], "total"),
                           "max_s": top(rows[mode], "total"), "floor_s": floor_s,

@@ -17,10 +17,15 @@ from elastic.testing import SimJob
 STEPS = 8
 
 
-def _main(commit_every: int = 1, replication: int = 2):
+def _main(commit_every: int = 1, replication: int | None = 2, redundancy: str | None = None,
+          chunk_bytes: int = 1 << 20, uneven: bool = False):
+    """``uneven``: shards of a different length on each rank (a parity's padding), updated so that
+    every step changes every bit pattern, returned as bytes (bitwise)."""
     def main(world):
-        state = elastic.State(world, replication=replication, local=("shard",), w=np.zeros(4), step=0,
-                              **{f"shard.{int(world.logical_rank)}": np.full(3, float(world.logical_rank))})
+        me = int(world.logical_rank)
+        state = elastic.State(world, replication=replication, redundancy=redundancy, local=("shard",),
+                              chunk_bytes=chunk_bytes, w=np.zeros(4), step=0,
+                              **{f"shard.{me}": np.full(3 + 5 * me if uneven else 3, float(me))})
 
         @elastic.run
         def train(world, state):
@@ -30,13 +35,14 @@ def _main(commit_every: int = 1, replication: int = 2):
                 state.w = state.w + g / world.size
                 for name in state.names():
                     if name.startswith("shard."):
-                        state[name] = state[name] + 1
+                        state[name] = state[name] * 1.5 + 1 if uneven else state[name] + 1
                 state.step += 1
                 state.record_step(state.step)
                 if state.step % commit_every == 0:
                     state.commit()
             return {"w": state.w.tobytes().hex(),
-                    "shards": {n: state[n].tolist() for n in sorted(state.names()) if n.startswith("shard.")}}
+                    "shards": {n: state[n].tobytes().hex() if uneven else state[n].tolist()
+                               for n in sorted(state.names()) if n.startswith("shard.")}}
         return train(world, state)
     return main
 
@@ -943,30 +949,9 @@ def test_twins_sharing_a_failure_domain_in_a_job_that_spans_several_are_said_onc
 
 # ------------------------------------------------------------------ parity instead of copies
 def _uneven(redundancy: str | None, chunk_bytes: int = 1 << 20):
-    """_main's loop with shards of a different length on each rank (the parity's padding) and a
-    commit every step (``chunk_bytes``: small, a parity commit goes in several exchanges)."""
-    def main(world):
-        me = int(world.logical_rank)
-        state = elastic.State(world, redundancy=redundancy, local=("shard",), w=np.zeros(4), step=0,
-                              chunk_bytes=chunk_bytes,
-                              **{f"shard.{me}": np.full(3 + 5 * me, float(me))})
-
-        @elastic.run
-        def train(world, state):
-            while state.step < STEPS:
-                g = np.full(4, float(world.logical_rank + 1) * (state.step + 1))
-                world.allreduce([g], step=state.step)
-                state.w = state.w + g / world.size
-                for name in state.names():
-                    if name.startswith("shard."):
-                        state[name] = state[name] * 1.5 + 1
-                state.step += 1
-                state.record_step(state.step)
-                state.commit()
-            return {"w": state.w.tobytes().hex(),
-                    "shards": {n: state[n].tobytes().hex() for n in sorted(state.names()) if n.startswith("shard.")}}
-        return train(world, state)
-    return main
+    """_main with uneven shards and a commit every step (``chunk_bytes``: small, a parity commit
+    goes in several exchanges)."""
+    return _main(replication=None, redundancy=redundancy, chunk_bytes=chunk_bytes, uneven=True)
 
 
 @pytest.fixture(scope="module")
