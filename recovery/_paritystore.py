@@ -2,19 +2,19 @@
 
 ``ParityStore`` is a ``ReplicatedStore`` whose commit encodes where the other copies: phase one
 computes, in each parity group (``_parity.group_of``: one member per failure domain where the
-domains allow), every member's parity blocks of the group's replicated payloads, in K-M rounds of
-one exchange each (round t: every member sends its segment t to the holders of that segment's
-codeword, straight from its arrays; each holder adds it into its blocks: the XOR, or its GF(2^8)
-multiple), so that no rank ever stages more than its own parity's size; then the same vote, the
-roll-back copy and the same chain of versions. A failure anywhere in a commit leaves the last
-agreed version (its payloads and parity) on every survivor.
+domains allow), every member's parity blocks of the group's replicated payloads, in at most 8
+exchanges (each carries one piece of every member's segments, straight from its arrays, to that
+segment's codeword's parity holders, who add it in: the XOR, or its GF(2^8) multiple), so that a
+holder stages a quarter of its parity's size at most; then the same vote, the roll-back copy and
+the same chain of versions. A failure anywhere in a commit leaves the last agreed version (its
+payloads and parity) on every survivor.
 
-Recovery: a dead member's payload is decoded from its group's survivors (their payloads' segments
-and parity, each parity checked by its checksum before it is sent) at its receiver, the
-replacement or, after a shrink, the adopter (``plan_fetch`` says who, as for copies). A group
-that lost more members than it survives (or whose survivors lost their parity in a recovery
-since its last commit) is ``DataLost`` on every rank, naming the group. Parity is kept in process
-memory only: the node-memory tier (a relaunch from node memory) needs copies.
+Recovery: a dead member's payload is summed, piece by piece, at its receiver (the replacement
+or, after a shrink, the adopter: ``plan_fetch`` says who, as for copies) from the blocks of its
+group's survivors that determine it (``Code.terms``), each parity checked by its checksum
+first. A group that lost more members than it survives, counting those without parity (removed
+or recovered since its last commit), is ``DataLost`` on every rank, naming the group. Parity is
+kept in process memory only: the node-memory tier (a relaunch from node memory) needs copies.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ._versions import Held
 
 @dataclasses.dataclass
 class ParityHeld:
-    """This member's parity of one version: its group, the code, its M blocks and their checksums."""
+    """This member's parity of one version: its group, the code, its M blocks, the members' sizes."""
 
     group: tuple[int, ...]   # logical ranks, in code order
     code: Code
@@ -52,8 +52,7 @@ PIECE_BYTES = 1 << 20
 PARITY = (-1, 0, 0)  # the version's ``held`` key of this member's parity blocks (their checksums)
 
 
-def group_and_code(layout: Layout, rank: int, redundancy: Redundancy, sizes: Mapping[int, int] | None = None
-                   ) -> tuple[tuple[int, ...], int]:
+def group_and_code(layout: Layout, rank: int, redundancy: Redundancy) -> tuple[tuple[int, ...], int]:
     """``rank``'s group and the losses it survives (fewer than asked where the group is too small:
     a group of one has no parity)."""
     group = group_of(layout, rank, redundancy.k)
@@ -68,11 +67,7 @@ class Decode:
     m: int
     lost: tuple[int, ...]        # members whose segments are rebuilt (dead, or without parity)
     dead: tuple[int, ...]        # of them, the ones whose payload comes back
-    receiver: Mapping[int, int]  # dead member -> the rank that decodes it (each receives every survivor's blocks)
-
-    @property
-    def receivers(self) -> list[int]:
-        return sorted(set(self.receiver.values()))
+    receiver: Mapping[int, int]  # dead member -> the rank its payload is summed at
 
 
 def plan_decodes(layout: Layout, fetch: Fetch, redundancy: Redundancy, no_parity: frozenset[int]
@@ -162,7 +157,7 @@ class _Piece:
         return plan
 
 
-def _pieces(payload: Payload) -> list[np.ndarray]:
+def _arrays_of(payload: Payload) -> list[np.ndarray]:
     return payload if isinstance(payload, list) else [payload]
 
 
@@ -221,7 +216,7 @@ class ParityStore(ReplicatedStore):
         sizes = {g: everyone[g] for g in group}
         t1 = time.perf_counter()
         phases = {"encode": 0.0}
-        pieces = self._pieces(layout, max(everyone.values()))
+        pieces = self._exchanges(layout, max(everyone.values()))
         held: dict[tuple[int, int, int], Held] = {}
         parity, flat = None, np.empty(0, np.uint8)
         if m == 0:  # alone, or a group of one: nothing to encode, but the exchanges are collective
@@ -240,7 +235,7 @@ class ParityStore(ReplicatedStore):
             self._sums.take(held, later=False)
         return _Sent(layout, sizes, held, flat, hash_later, (t1, t2, time.perf_counter()), parity, phases)
 
-    def _pieces(self, layout: Layout, longest: int) -> int:
+    def _exchanges(self, layout: Layout, longest: int) -> int:
         """The commit's exchanges, the same count on every rank: each carries one piece of every
         segment, of ``PIECE_BYTES`` (or ``chunk_bytes``, if less) at least, so that a holder stages a
         quarter of its parity's size at most, in 8 exchanges at most (each one waits for the slowest
@@ -387,7 +382,7 @@ class ParityStore(ReplicatedStore):
         longest = max((seg for _, _, _, seg, _ in sums), default=0)
         pieces = max(1, min(8, -(-longest // min(PIECE_BYTES, self.chunk_bytes))))
         out = {x: np.empty(sizes[x], np.uint8) for receiver, x, _, _, _ in sums if receiver == me}
-        mine = _pieces(current.payloads[me]) if current is not None and me in current.payloads else []
+        mine = _arrays_of(current.payloads[me]) if current is not None and me in current.payloads else []
         parity = current.parity.blocks if current is not None and current.parity is not None else None
 
         def block(kind: str, index: int, start: int, n: int) -> list[np.ndarray]:
