@@ -79,7 +79,26 @@ def plan_row(n: int, chunks: int, replication: int) -> dict:
         worst = max(worst, row[f"busiest_{label}_over_fair"])
     row["plan_seconds"] = max(row["plan_rank_seconds"], row["plan_host_seconds"])
     row["busiest_over_fair"] = worst
+    row.update(parity_row(layout, me))
     return row
+
+
+def parity_row(layout, me: int) -> dict:
+    """xor:8: one rank's group, and the decode plan for a dead host of 8 (seconds, one process)."""
+    from elastic.recovery import Redundancy
+    from elastic.recovery._fetch import Fetch
+    from elastic.recovery._parity import group_of
+    from elastic.recovery._paritystore import plan_decodes
+
+    t = time.perf_counter()
+    group_of(layout, me, 8)
+    group_s = time.perf_counter() - t
+    dead = tuple(range(8, 16))
+    fetch = Fetch(0, dead, frozenset(set(layout.ranks) - set(dead)), {d: d for d in dead})
+    t = time.perf_counter()
+    decodes, lost = plan_decodes(layout, fetch, Redundancy.parse("xor:8"), frozenset(dead))
+    assert len(decodes) == 8 and not lost  # a host's 8 ranks: one member of 8 groups each
+    return {"parity_group_seconds": group_s, "parity_plan_host_seconds": time.perf_counter() - t}
 
 
 # ---------------------------------------------------------------------------- bytes, under mpiexec
@@ -233,7 +252,8 @@ def main() -> int:
     if args.worker is not None:
         return worker(args.worker, not args.no_rollback_copy, args.redundancy)
     if args.plan:
-        head = ("ranks", "chunks", "place s", "plan rank s", "plan host s", "busiest/fair rank", "busiest/fair host")
+        head = ("ranks", "chunks", "place s", "plan rank s", "plan host s", "busiest/fair rank", "busiest/fair host",
+                "xor:8 group s", "xor:8 host s")
         if not args.json:
             print(f"replication {args.replication}, hosts of 8 ranks; seconds one rank spends; busiest sender over "
                   "the fair share (lost chunks / live ranks of the other hosts, rounded up)")
@@ -244,7 +264,8 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
             else:
                 cells = (n, args.chunks, r["place_seconds"], r["plan_rank_seconds"], r["plan_host_seconds"],
-                         r["busiest_rank_over_fair"], r["busiest_host_over_fair"])
+                         r["busiest_rank_over_fair"], r["busiest_host_over_fair"], r["parity_group_seconds"],
+                         r["parity_plan_host_seconds"])
                 print(" ".join(f"{c:>17.4f}" if isinstance(c, float) else f"{c:>17}" for c in cells), flush=True)
         return 0
     keys = ("ranks", "mb", "redundancy", "lost", "rollback_copy", "p2p_mb_s", "memcpy_mb_s", "encode_mb_s",
