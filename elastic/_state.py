@@ -72,10 +72,9 @@ class State:
     """
 
     def __init__(self, world: Recoverable, *, replication: int | None = None, redundancy: str | None = None,
-                 local: tuple[str, ...] = (),
-                 chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
-                 keep_versions: int | None = None, twins: Twins | None = None, twinned: tuple[str, ...] = (),
-                 **values: Any) -> None:
+                 local: tuple[str, ...] = (), chunk_bytes: int = 1 << 20, adopt: Adopt | None = None,
+                 per_step: bool = False, keep_versions: int | None = None, twins: Twins | None = None,
+                 twinned: tuple[str, ...] = (), **values: Any) -> None:
         if (twins is None) != (not twinned):
             raise ConfigError("twins= and twinned= go together: twinned names the values a shard's twins hold "
                               "alike, twins (an elastic.mesh.Mesh) says which ranks those are")

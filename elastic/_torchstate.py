@@ -39,8 +39,8 @@ class TorchState(State):
                  modules: Mapping[str, tuple[Any, Any]] | None = None, shard_optimizer: bool = False,
                  replication: int | None = None, redundancy: str | None = None, local: tuple[str, ...] = (),
                  chunk_bytes: int = 1 << 20, adopt: Adopt | None = None, per_step: bool = False,
-                 keep_versions: int | None = None,
-                 twins: Twins | None = None, twinned: tuple[str, ...] = (), **values: Any) -> None:
+                 keep_versions: int | None = None, twins: Twins | None = None, twinned: tuple[str, ...] = (),
+                 **values: Any) -> None:
         local = tuple(local) + ("rng",) + (("optim",) if shard_optimizer and twins is None else ())
         twinned = tuple(twinned) + (("optim",) if shard_optimizer and twins is not None else ())
         if per_step and shard_optimizer and twins is None:
@@ -50,8 +50,8 @@ class TorchState(State):
                               "ranks that apply the same update, examples/zero1.py), or use per_step=False "
                               "(commit() every few steps)")
         super().__init__(world, replication=replication, redundancy=redundancy, local=local, chunk_bytes=chunk_bytes,
-                         adopt=adopt,
-                         per_step=per_step, keep_versions=keep_versions, twins=twins, twinned=twinned, **values)
+                         adopt=adopt, per_step=per_step, keep_versions=keep_versions, twins=twins, twinned=twinned,
+                         **values)
         self._per_step = per_step
         self._hooked: tuple[str, Any, Any] | None = None  # per_step: the optimizer's name, its hook's handle, it
         pairs = {"": (model, optimizer)} if model is not None or optimizer is not None else {}
