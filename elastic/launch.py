@@ -242,7 +242,6 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
     placement, spare_hosts = plan.placement, plan.spare_hosts
     warm = dict(warm or {})  # host -> its warm process's pid
     while True:
-        before = run_pids(plan.run_dir)
         hosts = placement.counts() if plan.hosts else None
         cmd = build_command(plan, len(placement.table), hosts if done.relaunches or plan.simulate_nodes else None,
                             agent)
@@ -260,7 +259,7 @@ def _launch_until_done(plan: LaunchPlan, agent: Path | None, memory: Path, done:
                               "runtime hung at the job's end): ended by the launcher")
         done.hidden += attempt.hidden
         done.leftovers += len(attempt.leftovers) if not attempt.stopping else 0
-        mine = run_pids(plan.run_dir) - before
+        mine = run_pids(plan.run_dir) - attempt.before
         if not mine and attempt.start_failure and not attempt.stopping and not done.restarts:
             done.restarts += 1  # nothing of the job ran: nothing is lost by starting it again, once
             print(f"[launch] the runtime failed to come up ({attempt.start_failure}) before any process of the "
