@@ -171,7 +171,7 @@ def coefficients(data: int, m: int) -> tuple[tuple[int, ...], ...]:
 
 def _accumulate(out: np.ndarray, c: int, block: np.ndarray) -> None:
     """out ^= c * block over GF(2^8) (uint8 arrays of one length): the XOR in 8-byte words, a
-    multiple by ISA-L where it is here (``ENCODER``), else by numpy's table lookup."""
+    multiple by ISA-L where it is here (``encoder()``), else by numpy's table lookup."""
     if c == 1:
         _xor(out, block)
     elif c:
@@ -291,13 +291,23 @@ class Code:
         flat[:raw.size] = raw
         return flat.reshape(self.k - self.m, self.segment)
 
+    def sources(self, member: int) -> list[tuple[int, int, int, int]]:
+        """What ``member``'s parity is the sum of: (its parity block, data block t, the member whose
+        segment t that is, the coefficient), codeword by codeword."""
+        rows = coefficients(self.k - self.m, self.m)
+        return [(b, t, owner, rows[j][t]) for b, (c, j) in enumerate(self.parity_of(member))
+                for t, (owner, _) in enumerate(self.data_blocks(c))]
+
+    def destinations(self, member: int) -> list[tuple[int, int]]:
+        """Where ``member``'s segments go to be added in: (segment t, a parity holder of the codeword
+        it is data block t of), in t order."""
+        return [(t, h) for t in range(self.k - self.m) for h in self.parity_members((member - t) % self.k)]
+
     def parity(self, member: int, segments: Mapping[int, np.ndarray]) -> np.ndarray:
         """``member``'s parity (M blocks, in ``parity_of`` order) from the other members' segments."""
-        rows = coefficients(self.k - self.m, self.m)
         out = np.zeros((self.m, self.segment), dtype=np.uint8)
-        for b, (c, j) in enumerate(self.parity_of(member)):
-            for t, (owner, s) in enumerate(self.data_blocks(c)):
-                _accumulate(out[b], rows[j][t], segments[owner][s])
+        for b, t, owner, coefficient in self.sources(member):
+            _accumulate(out[b], coefficient, segments[owner][t])
         return out
 
     def rebuild(self, lost: Sequence[int], segments: Mapping[int, np.ndarray],

@@ -26,8 +26,8 @@ import numpy as np
 from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
 from ._copies import layout_of
-from ._fetch import Adopt, Fetch, newest, plan_fetch
-from ._parity import Code, Redundancy, _accumulate, coefficients, group_of
+from ._fetch import Fetch, Offer
+from ._parity import Code, Redundancy, _accumulate, group_of
 from ._payload import Payload
 from ._placement import DataLost, Layout, Piece
 from ._share import byte_slices
@@ -161,15 +161,17 @@ def _arrays_of(payload: Payload) -> list[np.ndarray]:
     return payload if isinstance(payload, list) else [payload]
 
 
-def _span(size: int, t: int, segment: int, length: int | None = None) -> int:
-    """Bytes of a payload of ``size`` bytes in segment ``t`` (at most ``length`` of them; the rest
-    of the block is zeros)."""
-    return max(0, min(segment if length is None else length, size - t * segment))
+def _span(size: int, t: int, segment: int, length: int) -> int:
+    """Bytes of a payload of ``size`` bytes in segment ``t``, ``length`` at most (the rest of the
+    block is zeros)."""
+    return max(0, min(length, size - t * segment))
 
 
 class ParityStore(ReplicatedStore):
     """Keeps every active rank's state recoverable by parity over groups of its peers
     (``redundancy``: ``xor:K`` or ``rs:K+M``). Create on every active rank."""
+
+    CAME_BACK = "parity"
 
     def __init__(self, world: Group, redundancy: Redundancy, chunk_bytes: int = 1 << 20,
                  domains: Mapping[int, str] | None = None, rollback_copy: bool = True) -> None:
@@ -245,8 +247,12 @@ class ParityStore(ReplicatedStore):
         m = self.redundancy.m
         data = max(1, min(length - min(m, length - 1) for length in lengths))
         staged = max((length - min(m, length - 1)) * min(m, length - 1) for length in lengths)  # blocks per exchange
-        segment = -(-longest // data)
-        return max(1, min(8, -(-4 * staged // m), -(-segment // min(PIECE_BYTES, self.chunk_bytes))))
+        return self._piece_count(-(-longest // data), most=min(8, -(-4 * staged // m)))
+
+    def _piece_count(self, segment: int, most: int = 8) -> int:
+        """Exchanges for segments of ``segment`` bytes: pieces of ``PIECE_BYTES`` (or ``chunk_bytes``,
+        if less) at least, ``most`` exchanges at most."""
+        return max(1, min(most, -(-segment // min(PIECE_BYTES, self.chunk_bytes))))
 
     def _encode(self, group: tuple[int, ...], code: Code, sizes: Mapping[int, int], segments: list[np.ndarray],
                 replicated: int, pieces: int, version: int, phases: dict[str, float]) -> np.ndarray:
@@ -255,14 +261,11 @@ class ParityStore(ReplicatedStore):
         each holder receives the first data block of each of its codewords where it is added up
         and stages the others, then adds them in (collective)."""
         world, me = self.world, int(self.world.logical_rank)
-        i, k, m, seg = group.index(me), code.k, code.m, code.segment
-        data = k - m
-        rows = coefficients(data, m)
+        i, m, seg = group.index(me), code.m, code.segment
         piece = 8 * -(-seg // (8 * pieces))
         # What lands where, the same every exchange: (block, data block t, sender, coefficient), by sender
         # then t (the order each sender sends in); the first data block lands in place when its weight is 1.
-        lands = sorted(((b, t, group[(cw + t) % k], rows[j][t]) for b, (cw, j) in enumerate(code.parity_of(i))
-                        for t in range(data)), key=lambda x: (x[2], x[1]))
+        lands = sorted(((b, t, group[owner], c) for b, t, owner, c in code.sources(i)), key=lambda x: (x[2], x[1]))
         staged = [x for x in lands if not (x[1] == 0 and x[3] == 1)]
         flat = self._backing.receive_buffer(m * seg, version)  # the retired version's parity buffer
         blocks = flat.reshape(m, seg)
@@ -270,7 +273,7 @@ class ParityStore(ReplicatedStore):
             self._staging = np.empty(len(staged) * piece, np.uint8)
         slot = {(b, t): n for n, (b, t, _, _) in enumerate(staged)}
         summed = [b for b in range(m) if all((x[0], x[1]) in slot for x in lands if x[0] == b)]  # none lands in place
-        sends = [(t, group[h]) for t in range(data) for h in code.parity_members((i - t) % k)]
+        sends = [(t, group[h]) for t, h in code.destinations(i)]
         self.bytes_moved = 0
         for q in range(pieces):
             lo, hi = min(seg, q * piece), min(seg, (q + 1) * piece)
@@ -281,8 +284,9 @@ class ParityStore(ReplicatedStore):
             incoming: dict[int, list[np.ndarray]] = {}
             for b in summed:
                 blocks[b][lo:hi] = 0
+            landed = {(b, t): _span(sizes[src] - lo, t, seg, hi - lo) for b, t, src, _ in lands}  # bytes each
             for b, t, src, _ in lands:
-                n = _span(sizes[src] - lo, t, seg, hi - lo)
+                n = landed[(b, t)]
                 if (b, t) in slot:
                     into = self._staging[slot[(b, t)] * piece:slot[(b, t)] * piece + n]
                 else:
@@ -293,34 +297,21 @@ class ParityStore(ReplicatedStore):
             self.bytes_moved += world.exchange({o: a for o, a in outgoing.items() if a}, incoming,
                                                point="commit", step=version)
             t0 = time.perf_counter()
-            for b, t, src, coefficient in staged:
-                n = _span(sizes[src] - lo, t, seg, hi - lo)
+            for b, t, _, coefficient in staged:
+                n = landed[(b, t)]
                 _accumulate(blocks[b][lo:lo + n], coefficient, self._staging[slot[(b, t)] * piece:][:n])
             phases["encode"] += time.perf_counter() - t0
         return blocks
 
     # -------------------------------------------------------------- recovery
-    def recover(self, adopt: Adopt | None = None, give_up: bool = False) -> bool:
-        """As ``ReplicatedStore.recover``, the dead ranks' payloads decoded from their groups."""
-        self._sums.settle()
+    def _bring_back(self, layout: Layout, fetch: Fetch, active: list[int], offers: list[Offer], give_up: bool
+                    ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """The dead owners' payloads, decoded from their groups (collective; see the module)."""
         world = self.world
-        self._chain.only(self._chain.current)
-        active = [int(r) for r in world.logical_ranks]
-        offers = world.allgather(self._status())
-        found = newest(offers)
-        if found is None and world.job.committed:
-            lost = DataLost({r: [] for r in active})
-            world.events.emit("data_lost", lost=lost.lost)
-            raise agreed(lost)
-        if found is None:
-            return False
-        number, root = found
         current = self._chain.current
-        layout: Layout = world.bcast(current.layout if world.rank == root and current else None, root=root)
-        fetch = plan_fetch(layout, active, offers, number, adopt)
         # Members of the version's groups whose parity is not here: dead, removed by a shrink (an adopter
         # holds the payload, not the parity), or recovered since the last commit (no parity yet).
-        with_parity = {r for r, offer in zip(active, offers) if offer[0] == number and offer[1]}
+        with_parity = {r for r, offer in zip(active, offers) if offer[0] == fetch.version and offer[1]}
         no_parity = frozenset(o for o in layout.ranks if o not in with_parity)
         t0 = time.perf_counter()
         checked = 0.0
@@ -334,12 +325,12 @@ class ParityStore(ReplicatedStore):
                 if not give_up:
                     raise agreed(lost)
             t1 = time.perf_counter()
+            me = int(world.logical_rank)
             sending = current is not None and current.parity is not None and \
-                any(int(world.logical_rank) in d.group and int(world.logical_rank) not in d.lost for d in decodes)
+                any(me in d.group and me not in d.lost for d in decodes)
             corrupt = sending and not self._parity_intact()
             checked += time.perf_counter() - t1
             if corrupt:
-                me = int(world.logical_rank)
                 world.events.emit("corrupt_copy", owner=me, chunk=0, holder=me, parity=True)
             reports = world.allgather(corrupt)
             bad = {r for r, was in zip(active, reports) if was}
@@ -349,12 +340,7 @@ class ParityStore(ReplicatedStore):
         sizes = self._group_sizes(world, decodes)
         fetched, phases = self._decode(world, decodes, sizes)
         self.last_recovery = {"fetch": time.perf_counter() - t0, "check": checked, **phases}
-        self._keep_fetched(number, layout, {o: sizes[o] for o in fetched}, fetched)
-        came_back = {o: "parity" for d in decodes for o in d.dead}
-        world.events.emit("store_recovered", version=number, dead=list(fetch.dead), receivers=fetch.receiver,
-                          bytes_moved=self.bytes_moved, durations=self.last_recovery, replicated=not fetch.dead,
-                          given_up=self.given_up, came_back=came_back)
-        return True
+        return fetched, {o: sizes[o] for o in fetched}
 
     def _parity_intact(self) -> bool:
         current = self._chain.current
@@ -380,7 +366,7 @@ class ParityStore(ReplicatedStore):
         current = self._chain.current
         sums = decode_sums(decodes, sizes)
         longest = max((seg for _, _, _, seg, _ in sums), default=0)
-        pieces = max(1, min(8, -(-longest // min(PIECE_BYTES, self.chunk_bytes))))
+        pieces = self._piece_count(longest)
         out = {x: np.empty(sizes[x], np.uint8) for receiver, x, _, _, _ in sums if receiver == me}
         mine = _arrays_of(current.payloads[me]) if current is not None and me in current.payloads else []
         parity = current.parity.blocks if current is not None and current.parity is not None else None

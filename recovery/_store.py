@@ -42,7 +42,7 @@ from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 from ._backing import Backing, attach, backing, manifest
 from ._copies import announce, layout_of, receive
 from ._errors import CommitRejected, NothingCommitted
-from ._fetch import Adopt, choose, newest, plan_fetch, transfer
+from ._fetch import Adopt, Fetch, Offer, choose, newest, plan_fetch, transfer
 from ._payload import fields_of, read_header, segments as to_segments
 from ._placement import DataLost, Layout, Piece, pieces
 from ._share import byte_slices
@@ -66,6 +66,8 @@ class _Sent:
 
 class ReplicatedStore:
     """Replicates every active rank's state in its peers' memory. Create on every active rank."""
+
+    CAME_BACK = "copy"  # how a dead rank's state comes back (``store_recovered``'s ``came_back``)
 
     def __init__(self, world: Group, replication: int = 2, chunk_bytes: int = 1 << 20,
                  domains: Mapping[int, str] | None = None, rollback_copy: bool = True, keep: int = 1) -> None:
@@ -200,6 +202,21 @@ class ReplicatedStore:
         current = self._chain.current
         layout: Layout = world.bcast(current.layout if world.rank == root and current else None, root=root)
         fetch = plan_fetch(layout, active, offers, number, adopt)
+        fetched, nbytes = self._bring_back(layout, fetch, active, offers, give_up)
+        self._keep_fetched(number, layout, nbytes, fetched)
+        world.events.emit("store_recovered", version=number, dead=list(fetch.dead), receivers=fetch.receiver,
+                          bytes_moved=self.bytes_moved, durations=self.last_recovery, replicated=not fetch.dead,
+                          given_up=self.given_up,
+                          came_back={o: self.CAME_BACK for o in fetch.dead if o not in self.given_up})
+        return True
+
+    def _bring_back(self, layout: Layout, fetch: Fetch, active: list[int], offers: list[Offer], give_up: bool
+                    ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """The dead owners' payloads, here where this rank receives them, and their sizes
+        (collective): from the live holders of their copies. Sets ``given_up``, ``bytes_moved``
+        and ``last_recovery``."""
+        world = self.world
+        current = self._chain.current
         known = world.allgather({o: n for o, n in (current.nbytes.items() if current else ()) if o in fetch.dead})
         nbytes = {o: n for part in known for o, n in part.items()}
         t0 = time.perf_counter()
@@ -208,11 +225,7 @@ class ReplicatedStore:
         fetched, self.bytes_moved, phases = transfer(world, chosen, fetch.receiver, nbytes, self.chunk_bytes,
                                                      lambda p: self._held(p).data)
         self.last_recovery = {"fetch": time.perf_counter() - t0, "check": checked, **phases}
-        self._keep_fetched(number, layout, nbytes, fetched)
-        world.events.emit("store_recovered", version=number, dead=list(fetch.dead), receivers=fetch.receiver,
-                          bytes_moved=self.bytes_moved, durations=self.last_recovery, replicated=not fetch.dead,
-                          given_up=self.given_up, came_back={o: "copy" for o in fetch.dead if o not in self.given_up})
-        return True
+        return fetched, nbytes
 
     def fall_back(self) -> int | None:
         """Make the newest older version that every active rank keeps the current one, dropping the
