@@ -95,15 +95,13 @@ class PeerMemory(StorageWriter, StorageReader):
     # ----------------------------------------------------------------- reader
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata from the rank that holds it (collective: DCP calls it on every rank)."""
-        world = self.state.world
-        holders = world.allgather(self._meta_name() is not None)
-        if not any(holders):
+        mine = self._meta_name()  # one rank holds it (the save's coordinator, or who took its place)
+        docs = [d for d in self.state.world.allgather(self.state[mine] if mine is not None else None)
+                if d is not None]
+        if not docs:
             raise NothingSaved(f"no checkpoint in peer memory under {self.name!r}: dcp.save(..., storage_writer="
                                "PeerMemory(state)) and state.commit() first")
-        root = holders.index(True)
-        mine = self._meta_name()
-        doc = world.bcast(self.state[mine] if world.rank == root and mine is not None else None, root=root)
-        self._metadata, self._chunks = _decode(doc)
+        self._metadata, self._chunks = _decode(docs[0])
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -121,7 +119,7 @@ class PeerMemory(StorageWriter, StorageReader):
                 planner.load_bytes(item, io.BytesIO(blob.tobytes()))
                 continue
             dtype, shape = self._chunks[storage[item.storage_index]]
-            source = torch.from_numpy(blob.copy()).view(dtype).reshape(shape)
+            source = torch.from_numpy(blob if blob.flags.writeable else blob.copy()).view(dtype).reshape(shape)
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 source = source.narrow(dim, start, length)
             target = planner.resolve_tensor(item).detach()
@@ -139,8 +137,7 @@ class PeerMemory(StorageWriter, StorageReader):
         """The arrays of ``needed``: this rank's own, and the others' through one exchange."""
         world, state = self.state.world, self.state
         held = {k: state[k] for k in state.names() if k.startswith(f"{self.name}.") and ".meta." not in k}
-        sizes = world.allgather({k: int(a.nbytes) for k, a in held.items()})
-        wants = world.allgather(needed)
+        sizes, wants = zip(*world.allgather(({k: int(a.nbytes) for k, a in held.items()}, needed)))
         owner: dict[str, int] = {}
         for rank, have in enumerate(sizes):  # the first current rank that holds an item sends it
             for key in have:

@@ -56,6 +56,10 @@ def init(config: Config | None = None, *, policy: RebuildPolicy | None = None,
         # promoted spare pay that after the failure; every process pays it here instead, a spare
         # while it waits.
         import torch._dynamo  # noqa: F401
+
+        from ._rehearsal import warm_loads_after_steps
+
+        warm_loads_after_steps()  # a recovery's first load into a sharded model: decided before it
     world = _comm_init(config, policy=Policy.from_config(config) if policy is None else policy, environ=environ,
                        before_parking=functools.partial(_before_parking, rehearse))
     if rehearse is not None and world.role is Role.RECOVERED:  # a promoted spare: its place in what it rehearsed

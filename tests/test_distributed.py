@@ -3,6 +3,8 @@ process group, DDP over Gloo, DCP into peers' memory, with real kills under mpie
 (examples/ddp.py, examples/fsdp.py)."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 
 from conftest import JOB_TIMEOUT, assert_bitwise, launch
@@ -295,6 +297,57 @@ def test_a_spares_rehearsal_warms_fsdp2_without_leaving_rank_0s_place_in_torchs_
     with pytest.raises(ZeroDivisionError):  # what the rehearsal raised, in the caller's thread
         rehearse(4, lambda: 1 / 0)
     assert not dist.is_initialized()
+
+
+def test_a_sharded_models_load_is_decided_once_its_optimizer_has_stepped(monkeypatch):
+    """A recovery's first load into an FSDP2 model (``load_state_dict``'s copy into each parameter;
+    DCP's ``set_state_dict`` into a promoted spare's new model and optimizer) makes no DTensor
+    sharding decision off the cache once a model of its shapes has stepped its optimizer:
+    ``init()`` installs the hook that decides them then (``warm_loads_after_steps``). The control,
+    a model of other shapes whose optimizer never stepped, decides off the cache: the count sees
+    a miss."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from elastic._rehearsal import installed, warm_loads_after_steps
+
+    def sharded(width: int) -> torch.nn.Module:  # shapes no other test decided
+        model = torch.nn.Sequential(torch.nn.Linear(width, 3 * width), torch.nn.Linear(3 * width, 8))
+        fully_shard(model[0])
+        return fully_shard(model)
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    decisions: list[str] = []
+    decide = propagator.propagate_op_sharding_non_cached  # what a miss of torch's native cache calls
+
+    def counted(schema: Any) -> Any:
+        decisions.append(str(schema.op))
+        return decide(schema)
+
+    monkeypatch.setattr(propagator, "propagate_op_sharding_non_cached", counted)
+
+    def decided_off_cache(load: Callable[[], object]) -> list[str]:
+        decisions.clear()
+        load()
+        return [op for op in decisions if "detach" not in op]  # state_dict()'s own, not the load's
+
+    warm_loads_after_steps()
+    with installed(4):
+        model = sharded(44)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 44)).sum().backward()
+        optimizer.step()  # the hook decides this model's loads
+        saved = model.state_dict()
+        assert decided_off_cache(lambda: model.load_state_dict(saved)) == []
+        promoted = sharded(44)  # a promoted spare's model and its optimizer without state: DCP steps it first
+        fresh = torch.optim.Adam(promoted.parameters())
+        model_state, optim_state = get_state_dict(model, optimizer)
+        assert decided_off_cache(lambda: set_state_dict(promoted, fresh, model_state_dict=model_state,
+                                                        optim_state_dict=optim_state)) == []
+        control = sharded(52)
+        assert "aten.copy_.default" in decided_off_cache(lambda: control.load_state_dict(control.state_dict()))
 
 
 def test_init_process_group_under_elastic_makes_the_worlds_group_or_says_what_to_call(monkeypatch):
