@@ -25,6 +25,11 @@ and the ratio to ``ddp``'s. With ``ddp-gloo``, its floor from the same run: Gloo
 the MLP's gradients alone (the same ranks under torchrun, the median of 300), and the most
 ``ddp-gloo`` could reach against ``mpi`` were its step the MPI path's plus that all-reduce.
 ``--json``: one JSON object per row.
+
+Time: one launch per run, ``len(--ways) x (--repeat + --kills)`` of them (48 with the defaults),
+a few seconds each for the MLP's ways and up to 15 s for the transformer's: about 5 minutes with
+the defaults on a loaded 2-core machine (280 s measured), each run's end and an estimate of the
+rest printed on stderr.
 """
 from __future__ import annotations
 
@@ -113,12 +118,25 @@ def _gloo_floor_worker(numel: int, reps: int = 300) -> None:
 def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: Path) -> list[dict]:
     rates: dict[str, list[float]] = {name: [] for name in ways}
     downs: dict[str, list[dict]] = {name: [] for name in ways}
+    total, done, began = len(ways) * (repeat + kills), 0, time.monotonic()
+
+    def progress(name: str, kind: str, started: float) -> None:  # on stderr: --json's stdout stays the rows
+        nonlocal done
+        done += 1
+        now = time.monotonic()
+        print(f"[bench_ddp] {done}/{total} {name} {kind}: {now - started:.1f} s ({now - began:.0f} s so far, about "
+              f"{(now - began) / done * (total - done):.0f} s to go)", file=sys.stderr, flush=True)
+
     for i in range(max(repeat, kills)):  # alternated: the machine's slow spells spread over every way
         for name in ways:
             if i < repeat:
+                started = time.monotonic()
                 rates[name].append(steps_per_s(WAYS[name], ranks, steps, tmp / f"{name}-clean-{i}"))
+                progress(name, "failure-free", started)
             if i < kills:
+                started = time.monotonic()
                 downs[name].append(kill_run(WAYS[name], ranks, steps, tmp / f"{name}-kill-{i}"))
+                progress(name, "kill", started)
     table = []
     for name in ways:
         down = [d["down_s"] for d in downs[name]]
@@ -135,7 +153,9 @@ def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="time: len(--ways) x (--repeat + --kills) launches, about 5 minutes with "
+                                            "the defaults on a loaded 2-core machine; progress on stderr")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"which rows, of {','.join(WAYS)} (mpi first: the base)")

@@ -349,6 +349,21 @@ def _shard(batches, step: int, worker: int, workers: int):
     return torch.from_numpy(np.array_split(batches.batch(step), workers)[worker])
 
 
+def _all_up(args: argparse.Namespace, worker: int, bound: float = 120.0) -> None:
+    """Wait, in a first life, until every worker is up (its file in the run directory): the first
+    torchft replica up forms a quorum alone and trains on its share until the others join, and on
+    a loaded machine that was most of the run (no step on the whole global batch to time, or the
+    run over before the kill). A restarted worker joins its peers' quorum at once."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    (args.run_dir / f"up-{worker}").touch()
+    deadline = time.monotonic() + bound
+    while len(list(args.run_dir.glob("up-*"))) < args.workers:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_peers: {args.workers} torchft workers not all up after {bound:g} s")
+        time.sleep(0.05)  # polling a condition: the others' files
+
+
 def worker_torchft(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
@@ -371,6 +386,7 @@ def worker_torchft(args: argparse.Namespace) -> None:
                       replica_id=f"bench_peers_{replica}", timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, optimizer)
+    _all_up(args, replica)
     while manager.current_step() < args.steps:
         step = manager.current_step()
         _maybe_kill(args, replica, step, log)
