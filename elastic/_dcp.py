@@ -134,7 +134,8 @@ class PeerMemory(StorageWriter, StorageReader):
         return next((k for k in self.state.names() if k.startswith(f"{self.name}.meta.")), None)
 
     def _fetch(self, needed: list[str]) -> dict[str, np.ndarray]:
-        """The arrays of ``needed``: this rank's own, and the others' through one exchange."""
+        """The arrays of ``needed``: this rank's own, and the others' through one exchange (none where
+        every rank reads only what it holds: a spare's promotion, the world's size unchanged)."""
         world, state = self.state.world, self.state
         held = {k: state[k] for k in state.names() if k.startswith(f"{self.name}.") and ".meta." not in k}
         sizes, wants = zip(*world.allgather(({k: int(a.nbytes) for k, a in held.items()}, needed)))
@@ -151,7 +152,8 @@ class PeerMemory(StorageWriter, StorageReader):
                     for p, want in enumerate(wants) if p != me}
         incoming = {logical[p]: [np.empty(sizes[p][k], np.uint8) for k in needed if owner[k] == p]
                     for p in range(world.size) if p != me}
-        world.exchange(outgoing, incoming, point="restore")
+        if any(owner[k] != p for p, want in enumerate(wants) for k in want):  # (all-gathered: alike everywhere)
+            world.exchange(outgoing, incoming, point="restore")  # none when every rank holds what it reads
         blobs = {k: held[k] for k in needed if owner[k] == me}
         for p in range(world.size):
             if p != me:
