@@ -177,6 +177,7 @@ def take_place(rank: int) -> None:
 
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
         torch._C._clear_DTensor_sharding_propagator_cache()
+        _DECIDED.clear()  # so the load's decisions are made again, after the next first step
         return
     for mesh in meshes:
         mesh._rank = rank
