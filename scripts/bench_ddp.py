@@ -27,9 +27,8 @@ the MLP's gradients alone (the same ranks under torchrun, the median of 300), an
 ``--json``: one JSON object per row.
 
 Time: one launch per run, ``len(--ways) x (--repeat + --kills)`` of them (48 with the defaults),
-a few seconds each for the MLP's ways and up to 15 s for the transformer's: about 5 minutes with
-the defaults on a loaded 2-core machine (280 s measured), each run's end and an estimate of the
-rest printed on stderr.
+5-10 s each for the MLP's ways and 8-30 s for the transformer's: 686 s with the defaults on this
+loaded 2-core machine (stop 40), each run's end and an estimate of the rest printed on stderr.
 """
 from __future__ import annotations
 
@@ -154,7 +153,7 @@ def rows(ways: list[str], ranks: int, steps: int, repeat: int, kills: int, tmp: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="time: len(--ways) x (--repeat + --kills) launches, about 5 minutes with "
+                                     epilog="time: len(--ways) x (--repeat + --kills) launches, about 11 minutes with "
                                             "the defaults on a loaded 2-core machine; progress on stderr")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
