@@ -22,7 +22,8 @@ machine lands on every mode alike):
   the floor: a raw mpi4py job of the same ranks (no elastic, no sentinel) in which
       rank 1 SIGKILLs itself and the others revoke and shrink, plus the lost
       rank's bytes at the point-to-point rate measured between two of its ranks
-      in the same job: what any in-memory recovery of that state must pay.
+      in the same job (the rate over every size run so far, so the floor grows
+      with the bytes): what any in-memory recovery of that state must pay.
 
 Recovery time = the kill -> the first completed step past the one the job was
 on when killed, so the steps lost since the last commit / checkpoint count in
@@ -215,8 +216,17 @@ def floor(n: int, mb: int, kills: int) -> list[dict]:
             print(f"  floor {n}x{mb}: {len(done)} of {n - 1} survivors shrank; {run.stderr[-500:]}", flush=True)
             continue
         out.append({"seen": min(x["seen"] for x in done) - kill[0], "shrunk": max(x["done"] for x in done) - kill[0],
-                    "p2p": next(x["p2p_s"] for x in lines if x["rank"] == 1)})
+                    "p2p": next(x["p2p_s"] for x in lines if x["rank"] == 1), "bytes": mb << 20})
     return out
+
+
+def floor_seconds(runs: list[dict], nbytes: int) -> float:
+    """The floor of one kill that loses ``nbytes``: the raw ULFM kill -> shrunk (the median of
+    ``runs``, ``floor``'s jobs of the same ranks) plus ``nbytes`` moved once at their p2p rate
+    (the median of the bytes each moved over its seconds). The rate, not a size's own p2p
+    seconds: a floor that reads less at more bytes is a mismeasured one."""
+    rate = statistics.median(r["bytes"] / r["p2p"] for r in runs)
+    return statistics.median(r["shrunk"] for r in runs) + nbytes / rate
 
 
 def tcp_worker(a: argparse.Namespace) -> int:
@@ -491,13 +501,16 @@ def main() -> int:
             "restore", "redo", "teardown", "relaunch", "load", "ckpt save")
     print(" ".join(f"{h:>10}" for h in head), flush=True)
     results, table = [], []
+    floors: dict[int, list[dict]] = {}
     for n, mb in _configurations(a, 10):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
             rows = every_mode(n, mb, a, Path(tmp))
             flat = steady(n, mb, a, Path(tmp))
         # The floor: a raw revoke + shrink of the same ranks, and the lost rank's bytes at the p2p
-        # rate between two of them (measured in the floor's jobs, between the same processes).
-        floor_s = med(rows["floor"], "shrunk") + med(rows["floor"], "p2p")
+        # rate between two of them (measured in the floor's jobs, between the same processes),
+        # pooled over the sizes so far so that it grows with the bytes.
+        floors.setdefault(n, []).extend(rows["floor"])  # the same ranks' floor jobs at every size so far
+        floor_s = floor_seconds(floors[n], mb << 20) if floors[n] else float("nan")
         r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat, "floor_s": floor_s}
         results.append(r)
         for mode in ("shrink", "spare", "spare-parity", "spawn", "spawn-cold", "restart"):
