@@ -28,12 +28,15 @@ machine lands on every mode alike):
 Recovery time = the kill -> the first completed step past the one the job was
 on when killed, so the steps lost since the last commit / checkpoint count in
 every column (not in the floor). Phases: for (a-c) detect (kill -> the first
-survivor sees it), rebuilt (kill -> the world rebuilt), restore, redo (lost
-steps again); for (d) teardown (kill -> mpiexec gone), relaunch (mpiexec ->
-every rank initialised), load, redo. ``--out DIR`` writes ``bench_recovery.json``:
-``rows`` (one per mode and size: ``mode``, ``mb``, ``kills``, ``median_s``,
-``mean_s``, ``max_s``, ``floor_s``, ``detect_ms``, ``detect_max_ms``) and every
-kill's phases (``results``, for scripts/simulate_ettr.py).
+survivor sees it), rebuilt (kill -> the world rebuilt), restore, transferred (the
+bytes every rank sent for the lost state, and their rate over the longest fetch,
+beside the floor's p2p rate), redo (lost steps again); for (d) teardown (kill ->
+mpiexec gone), relaunch (mpiexec -> every rank initialised), load, redo. ``--out
+DIR`` writes ``bench_recovery.json``: ``rows`` (one per mode and size: ``mode``,
+``mb``, ``kills``, ``median_s``, ``mean_s``, ``max_s``, ``floor_s``,
+``detect_ms``, ``detect_max_ms``, ``rebuilt_s``, ``transferred_mb``,
+``transfer_s``, ``transfer_gbps``, ``p2p_gbps``, ``redone_s``) and every kill's
+phases (``results``, for scripts/simulate_ettr.py).
 
 Steady state, in the same run: step time with a commit every step and every
 ``interval`` steps over no fault tolerance at all (commit only at start and
@@ -287,9 +290,14 @@ def in_memory(n: int, mb: int, mode: str, kills: int, a: argparse.Namespace, run
         restored = row["t_resumed"] - row["resume"] / 1e3
         restore = row["restore"] / 1e3
         rebuilt = max(e["t"] for e in events if e["event"] == "rebuilt" and e["gen"] == row["gen"])
+        # transferred: every rank's bytes sent for the lost state, over the longest fetch of the recovery
+        fetched = [e for e in events if e["event"] == "store_recovered" and e["gen"] == row["gen"]]
+        moved = sum(e["bytes_moved"] for e in fetched)
+        fetch = max((e["durations"].get("fetch", 0.0) for e in fetched), default=0.0)
         out.append({"total": past[0]["t"] - row["t_failure"], "rebuild": restored - restore - row["t_failure"],
                     "restore": restore, "redo": past[0]["t"] - restored,
-                    "detect": row["detect"] / 1e3, "rebuilt": rebuilt - row["t_failure"]})
+                    "detect": row["detect"] / 1e3, "rebuilt": rebuilt - row["t_failure"],
+                    "moved": moved, "fetch": fetch})
     if len(out) < kills:
         print(f"  {mode} {n}x{mb}: {len(out)} of {kills} recoveries measured; see {run_dir}", flush=True)
     return out
@@ -447,6 +455,15 @@ def alternated(jobs: dict[str, tuple[int, Callable[[int, Path], list[dict]]]], k
     return out
 
 
+MB = 1 << 20
+
+
+def _rate(rows: list[dict]) -> float:
+    """GB/s of the recoveries' transfers, the median over those that moved bytes."""
+    rates = [r["moved"] / r["fetch"] / 1e9 for r in rows if r["moved"] and r["fetch"] > 0]
+    return statistics.median(rates) if rates else float("nan")
+
+
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 
@@ -513,12 +530,20 @@ def main() -> int:
         floor_s = floor_seconds(floors[n], mb << 20) if floors[n] else float("nan")
         r = {"ranks": n, "mb": mb, **{m: rows[m] for m in rows}, "steady": flat, "floor_s": floor_s}
         results.append(r)
+        p2p_gbps = statistics.median(f["bytes"] / f["p2p"] for f in floors[n]) / 1e9 if floors[n] else float("nan")
         for mode in ("shrink", "spare", "spare-parity", "spawn", "spawn-cold", "restart"):
+            memory = mode != "restart"
             table.append({"mode": mode, "ranks": n, "mb": mb, "kills": len(rows[mode]),
                           "median_s": med(rows[mode], "total"), "mean_s": mean(rows[mode], "total"),
                           "max_s": top(rows[mode], "total"), "floor_s": floor_s,
-                          "detect_ms": 1e3 * med(rows[mode], "detect") if mode != "restart" else None,
-                          "detect_max_ms": 1e3 * top(rows[mode], "detect") if mode != "restart" else None})
+                          "detect_ms": 1e3 * med(rows[mode], "detect") if memory else None,
+                          "detect_max_ms": 1e3 * top(rows[mode], "detect") if memory else None,
+                          # the phases: rebuilt (kill -> world rebuilt), transferred (bytes, GB/s), redone
+                          "rebuilt_s": med(rows[mode], "rebuilt") if memory else None,
+                          "transferred_mb": med(rows[mode], "moved") / MB if memory else None,
+                          "transfer_s": med(rows[mode], "fetch") if memory else None,
+                          "transfer_gbps": _rate(rows[mode]) if memory else None, "p2p_gbps": p2p_gbps,
+                          "redone_s": med(rows[mode], "redo") if memory else None})
         d = med(rows["restart"], "total")
         spare = med(rows["spare"], "total")
         cells = (n, mb, floor_s, *(med(rows[m], "total") for m in ("shrink", "spare", "spawn", "spawn-cold")), d,
@@ -532,11 +557,17 @@ def main() -> int:
         print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
     print("\nEvery mode, median / mean / max over its kills (s), and detection (kill -> a survivor sees it, ms):")
     print(" ".join(f"{h:>9}" for h in ("mode", "ranks", "MB", "kills", "median", "mean", "max", "floor", "x floor",
-                                        "detect", "det max")))
+                                        "detect", "det max", "rebuilt", "moved MB", "moved s", "GB/s", "p2p GB/s",
+                                        "redone")))
+
+    def shown(value: float | None) -> float | str:
+        return "-" if value is None else value
+
     for t in table:
         cells = (t["mode"], t["ranks"], t["mb"], t["kills"], t["median_s"], t["mean_s"], t["max_s"], t["floor_s"],
-                 t["median_s"] / t["floor_s"], t["detect_ms"] if t["detect_ms"] is not None else "-",
-                 t["detect_max_ms"] if t["detect_max_ms"] is not None else "-")
+                 t["median_s"] / t["floor_s"], shown(t["detect_ms"]), shown(t["detect_max_ms"]),
+                 shown(t["rebuilt_s"]), shown(t["transferred_mb"]), shown(t["transfer_s"]), shown(t["transfer_gbps"]),
+                 t["p2p_gbps"], shown(t["redone_s"]))
         print(" ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
     print("\nphases of (a-c): rebuild (kill -> recovery under way), restore, redo; shown for spare above.\n"
           "Steady state: seconds per step with commits amortised, and that over no fault tolerance ('x'). "
