@@ -56,9 +56,10 @@ class Backing(Protocol):
     def abandon(self, current: int | None) -> None:
         """The vote failed: nothing of the new version stays; ``current`` is still the one."""
 
-    def found(self, owner: int, chunk_bytes: int, replication: int,
+    def found(self, owner: int, chunk_bytes: int, way: str,
               sums: Callable[[np.ndarray], list[int]]) -> dict[int, Found]:
-        """Versions of ``owner`` kept by a lost launch of the job, by number (a relaunch's attach)."""
+        """Versions of ``owner`` kept by a lost launch of the job by a store of the same chunk size
+        and ``way`` (``copies:R``, ``xor:K``...), by number (a relaunch's attach)."""
 
 
 def _pack(segments: list[np.ndarray], total: int, reuse: Payload | None) -> np.ndarray:
@@ -99,7 +100,7 @@ class ProcessMemory:
     def abandon(self, current: int | None) -> None:
         pass
 
-    def found(self, owner: int, chunk_bytes: int, replication: int,
+    def found(self, owner: int, chunk_bytes: int, way: str,
               sums: Callable[[np.ndarray], list[int]]) -> dict[int, Found]:
         return {}
 
@@ -149,12 +150,12 @@ class NodeMemory:
         self._staged = None
         self.files.retire(current)  # this version's files: never voted
 
-    def found(self, owner: int, chunk_bytes: int, replication: int,
+    def found(self, owner: int, chunk_bytes: int, way: str,
               sums: Callable[[np.ndarray], list[int]]) -> dict[int, Found]:
         out: dict[int, Found] = {}
         for doc in self.files.manifests():
             try:
-                if (doc["owner"], doc["chunk_bytes"], doc["replication"]) != (owner, chunk_bytes, replication):
+                if (doc["owner"], doc["chunk_bytes"], doc["way"]) != (owner, chunk_bytes, way):
                     continue
                 own = self.files.open(doc["version"], "own", doc["own"]["nbytes"])
                 if own is not None and sums(own) != doc["own"]["sums"]:
@@ -192,27 +193,46 @@ def _remove_ended() -> None:
 
 
 # ------------------------------------------------------------------ tier 2: a relaunch's attach
-def manifest(owner: int, chunk_bytes: int, replication: int, layout: Layout, sizes: Mapping[int, int],
-             own: tuple[int, list[int]], buffer: np.ndarray, held: Mapping[tuple[int, int, int], Held]
-             ) -> dict[str, Any]:
+def manifest(owner: int, chunk_bytes: int, way: str, layout: Layout, sizes: Mapping[int, int],
+             own: tuple[int, list[int]], buffer: np.ndarray, held: Mapping[tuple[int, int, int], Held],
+             **more: Any) -> dict[str, Any]:
     """What a relaunch needs to find a version again and check it (local): ``own`` is this rank's
-    payload's size and checksums; the copies' checksums are taken."""
+    payload's size and checksums; the copies' checksums are taken (``buffer``: where they lie;
+    under parity, the parity blocks, described in ``more``)."""
     return {
-        "owner": owner, "chunk_bytes": chunk_bytes, "replication": replication,
+        "owner": owner, "chunk_bytes": chunk_bytes, "way": way,
         "domains": [list(d) for d in layout.domains], "sizes": {str(o): n for o, n in sizes.items()},
         "own": {"nbytes": own[0], "sums": own[1]},
         "held": {"nbytes": int(buffer.nbytes), "pieces": [
             [h.piece.owner, h.piece.copy, h.piece.first, h.piece.count, h.offset, int(h.data.nbytes), h.sums]
-            for h in held.values()]}}
+            for h in held.values()]}, **more}
 
 
-def attach(world: Group, backing: Backing, chunk_bytes: int, replication: int,
-           sums: Callable[[np.ndarray], list[int]], keep: Callable[[Version], None]) -> None:
+# Whether a version's dead owners come back: (its layout, the dead, the ranks holding their copies or
+# parity, the payload sizes known) -> bool. Each way of keeping state has its own.
+Recoverable = Callable[[Layout, list[int], set[int], Mapping[int, int]], bool]
+# A found version as this rank's current one: (rank, number, manifest, own payload, copies) -> Version.
+Attached = Callable[[int, int, dict[str, Any], "np.ndarray | None", "np.ndarray | None"], Version]
+
+
+def copies_recoverable(chunk_bytes: int, replication: int) -> Recoverable:
+    """Copies: every chunk of every dead owner has a copy on a live holder."""
+    def recoverable(layout: Layout, dead: list[int], live: set[int], sizes: Mapping[int, int]) -> bool:
+        try:
+            plan(layout, dead, {o: -(-sizes[o] // chunk_bytes) for o in dead}, replication, live)
+        except DataLost:
+            return False
+        return True
+    return recoverable
+
+
+def attach(world: Group, backing: Backing, chunk_bytes: int, way: str, sums: Callable[[np.ndarray], list[int]],
+           keep: Callable[[Version], None], recoverable: Recoverable, attached: Attached) -> None:
     """A relaunch: take this rank's versions up from its node's memory, agree with the others on
     the newest one that the live nodes hold whole, and ``keep`` that one (collective over the
     active ranks). When none is whole, the newest is kept: the recovery then names what is lost."""
     me = int(world.logical_rank)
-    offers = backing.found(me, chunk_bytes, replication, sums)
+    offers = backing.found(me, chunk_bytes, way, sums)
     # What each rank holds, without the layout (O(ranks) each): it is sent once per version looked at.
     summary = {v: ({int(o): int(n) for o, n in doc["sizes"].items()}, own is not None, buffer is not None)
                for v, (doc, own, buffer) in offers.items()}
@@ -220,7 +240,7 @@ def attach(world: Group, backing: Backing, chunk_bytes: int, replication: int,
         everyone = world.allgather(summary)
     except ProcessFailure:
         if offers:  # lost during the attach: keep the newest here; the next recovery takes it from there
-            keep(_version(me, max(offers), *offers[max(offers)]))
+            keep(attached(me, max(offers), *offers[max(offers)]))
         raise
 
     def layout_of(version: int) -> Layout:  # collective: every rank asks for the same versions in turn
@@ -228,15 +248,15 @@ def attach(world: Group, backing: Backing, chunk_bytes: int, replication: int,
         layout: Layout = world.bcast(_layout(offers[version][0]["domains"]) if world.rank == root else None,
                                      root=root)
         return layout
-    chosen = newest_whole(everyone, [int(r) for r in world.logical_ranks], chunk_bytes, replication, layout_of)
+    chosen = newest_whole(everyone, [int(r) for r in world.logical_ranks], layout_of, recoverable)
     world.events.emit("store_attached", versions=sorted(offers), chosen=chosen)
     if chosen is not None:
         world.job.note_commit()  # a version this job committed: losing it later is DataLost
         if chosen in offers:
-            keep(_version(me, chosen, *offers[chosen]))
+            keep(attached(me, chosen, *offers[chosen]))
 
 
-def _version(me: int, number: int, doc: dict[str, Any], own: np.ndarray | None, buffer: np.ndarray | None
+def attached_copies(me: int, number: int, doc: dict[str, Any], own: np.ndarray | None, buffer: np.ndarray | None
              ) -> Version:
     """An attached version, as this rank's current one (local)."""
     held = {}
@@ -257,10 +277,10 @@ def _layout(domains: list[list[int]]) -> Layout:
 Kept = tuple[dict[int, int], bool, bool]
 
 
-def newest_whole(offers: list[dict[int, Kept]], active: list[int], chunk_bytes: int, replication: int,
-                 layout_of: Callable[[int], Layout]) -> int | None:
+def newest_whole(offers: list[dict[int, Kept]], active: list[int], layout_of: Callable[[int], Layout],
+                 recoverable: Recoverable) -> int | None:
     """The newest version that the ranks' offers hold whole: every owner's payload on a live rank,
-    or each of its chunks in some live rank's copies (the same on every rank; ``layout_of``
+    or ``recoverable`` from the live ranks' copies or parity (the same on every rank; ``layout_of``
     gives a version's layout). When none is, the newest offered (its recovery then names what is
     lost); None when nothing is offered."""
     versions = sorted({v for offer in offers for v in offer}, reverse=True)
@@ -272,9 +292,6 @@ def newest_whole(offers: list[dict[int, Kept]], active: list[int], chunk_bytes: 
         dead = [o for o in layout.ranks if o not in whole]
         if any(o not in sizes for o in dead):
             continue
-        try:
-            plan(layout, dead, {o: -(-sizes[o] // chunk_bytes) for o in dead}, replication, live)
+        if recoverable(layout, dead, live, sizes):
             return v
-        except DataLost:
-            continue
     return versions[0] if versions else None

@@ -13,8 +13,13 @@ Recovery: a dead member's payload is summed, piece by piece, at its receiver (th
 or, after a shrink, the adopter: ``plan_fetch`` says who, as for copies) from the blocks of its
 group's survivors that determine it (``Code.terms``), each parity checked by its checksum
 first. A group that lost more members than it survives, counting those without parity (removed
-or recovered since its last commit), is ``DataLost`` on every rank, naming the group. Parity is
-kept in process memory only: the node-memory tier (a relaunch from node memory) needs copies.
+or recovered since its last commit), is ``DataLost`` on every rank, naming the group.
+
+Tier 2 (``Config.node_store``): the parity blocks and the roll-back payload lie in node-memory
+files, sealed with a manifest naming the group and the code before the vote, as copies are; a
+relaunch after a node's loss attaches them on the surviving nodes and decodes the lost node's
+ranks into their replacements (or adopters) as above. Groups span failure domains (the nodes),
+so a lost node costs each group one member.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
+from ._backing import Recoverable, attached_copies, manifest
 from ._copies import layout_of
 from ._fetch import Fetch, Offer
 from ._parity import Code, Redundancy, _accumulate, group_of
@@ -33,7 +39,7 @@ from ._placement import DataLost, Layout, Piece
 from ._share import byte_slices
 from ._store import ReplicatedStore, _Sent
 from ._sums import INLINE_BYTES
-from ._versions import Held
+from ._versions import Held, Version
 
 
 @dataclasses.dataclass
@@ -89,6 +95,14 @@ def plan_decodes(layout: Layout, fetch: Fetch, redundancy: Redundancy, no_parity
             continue
         decodes.append(Decode(group, m, lost, dead, {o: fetch.receiver[o] for o in dead}))
     return decodes, lost_groups
+
+
+def parity_recoverable(redundancy: Redundancy) -> Recoverable:
+    """Parity: every group with a dead member has at most M members dead or without parity (pure)."""
+    def recoverable(layout: Layout, dead: list[int], live: set[int], sizes: Mapping[int, int]) -> bool:
+        fetch = Fetch(0, tuple(dead), frozenset(live), {o: o for o in dead})
+        return not plan_decodes(layout, fetch, redundancy, frozenset(set(layout.ranks) - live))[1]
+    return recoverable
 
 
 def _lost_group(group: tuple[int, ...], dead: tuple[int, ...], no_parity: frozenset[int],
@@ -177,9 +191,6 @@ class ParityStore(ReplicatedStore):
                  domains: Mapping[int, str] | None = None, rollback_copy: bool = True) -> None:
         if not redundancy.parity:
             raise ConfigError(f"ParityStore needs xor:K or rs:K+M, not {redundancy}: use ReplicatedStore")
-        if world.job.settings.node_store and not world.job.alone:
-            raise ConfigError(f"redundancy {redundancy} keeps its parity in process memory: the node-memory tier "
-                              "(--relaunches, ELASTIC_NODE_STORE) needs copies:R; choose copies:2 there")
         if not world.job.alone and world.size < redundancy.m + 1:
             raise ConfigError(f"redundancy {redundancy} with {world.size} active ranks: a group survives at most "
                               f"size - 1 losses; use rs:K+M with M < {world.size}, or more ranks")
@@ -232,10 +243,19 @@ class ParityStore(ReplicatedStore):
             parity = ParityHeld(group, code, blocks, sizes)
             held[PARITY] = Held(Piece(me, 0, 0, 0, me), flat, [])
         t2 = time.perf_counter()
-        hash_later = flat.nbytes > INLINE_BYTES  # as copies are: after the vote, in a thread
+        # As copies': after the vote, in a thread, unless node memory's manifest needs them first.
+        hash_later = not self._backing.checksums_first and flat.nbytes > INLINE_BYTES
         if not hash_later:
             self._sums.take(held, later=False)
+        described = {"parity": {"group": list(group), "m": m, "sums": held[PARITY].sums if held else []}}
+        self._backing.stage(version, segments, total, lambda payload: manifest(
+            me, self.chunk_bytes, self.way, layout, sizes, (int(payload.nbytes), self._sums.of(payload)),
+            flat, {}, **described))
         return _Sent(layout, sizes, held, flat, hash_later, (t1, t2, time.perf_counter()), parity, phases)
+
+    @property
+    def way(self) -> str:
+        return str(self.redundancy)
 
     def _exchanges(self, layout: Layout, longest: int) -> int:
         """The commit's exchanges, the same count on every rank: each carries one piece of every
@@ -302,6 +322,23 @@ class ParityStore(ReplicatedStore):
                 _accumulate(blocks[b][lo:lo + n], coefficient, self._staging[slot[(b, t)] * piece:][:n])
             phases["encode"] += time.perf_counter() - t0
         return blocks
+
+    # ------------------------------------------------------- tier 2: a relaunch's attach (``_backing``)
+    def _recoverable(self, layout: Layout, dead: list[int], live: set[int], sizes: Mapping[int, int]) -> bool:
+        return parity_recoverable(self.redundancy)(layout, dead, live, sizes)
+
+    def _attached(self, me: int, number: int, doc: dict[str, Any], own: np.ndarray | None,
+                  buffer: np.ndarray | None) -> Version:
+        """A found version with its parity: the manifest names the group and the code, the file holds
+        the blocks (checked against their checksums before they are sent, as any parity)."""
+        version = attached_copies(me, number, doc, own, buffer)
+        described = doc.get("parity") or {}
+        if buffer is not None and described.get("m"):
+            group, m = tuple(int(g) for g in described["group"]), int(described["m"])
+            code = Code(len(group), m, max(version.nbytes[g] for g in group))
+            version.parity = ParityHeld(group, code, buffer.reshape(m, code.segment), dict(version.nbytes))
+            version.held[PARITY] = Held(Piece(me, 0, 0, 0, me), buffer, list(described["sums"]))
+        return version
 
     # -------------------------------------------------------------- recovery
     def _bring_back(self, layout: Layout, fetch: Fetch, active: list[int], offers: list[Offer], give_up: bool

@@ -39,7 +39,7 @@ from typing import Any, Collection, Mapping
 import numpy as np
 from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 
-from ._backing import Backing, attach, backing, manifest
+from ._backing import Backing, attach, attached_copies, backing, copies_recoverable, manifest
 from ._copies import announce, layout_of, receive
 from ._errors import CommitRejected, NothingCommitted
 from ._fetch import Adopt, Fetch, Offer, choose, newest, plan_fetch, transfer
@@ -120,6 +120,11 @@ class ReplicatedStore:
     def keep(self) -> int:
         return self._chain.keep
 
+    @property
+    def way(self) -> str:
+        """How the state is kept recoverable, as the redundancy setting says it (``copies:R``)."""
+        return f"copies:{self.replication}"
+
     def commit(self, state: Mapping[str, Any], version: int, unreplicated: Collection[str] = ()) -> None:
         """Replicate ``state`` (name -> array) as ``version`` (collective over the active ranks).
 
@@ -188,7 +193,8 @@ class ReplicatedStore:
         world = self.world
         self._chain.only(self._chain.current)  # a replacement holds no older one; after a shrink they lack state
         if world.last_rebuild is not None and world.last_rebuild.mode == "relaunch" and self._chain.current is None:
-            attach(world, self._backing, self.chunk_bytes, self.replication, self._sums.of, self._chain.only)
+            attach(world, self._backing, self.chunk_bytes, self.way, self._sums.of, self._chain.only,
+                   self._recoverable, self._attached)
         active = [int(r) for r in world.logical_ranks]
         offers = world.allgather(self._status())
         found = newest(offers)
@@ -316,7 +322,7 @@ class ReplicatedStore:
         if not hash_later:  # (a few kilobytes, a per-step point's: cheaper than a thread)
             self._sums.take(held, later=False)
         self._backing.stage(version, segments, total, lambda payload: manifest(
-            me, self.chunk_bytes, self.replication, layout, sizes, (int(payload.nbytes), self._sums.of(payload)),
+            me, self.chunk_bytes, self.way, layout, sizes, (int(payload.nbytes), self._sums.of(payload)),
             buffer, held))
         return _Sent(layout, sizes, held, buffer, hash_later, (t1, t2, time.perf_counter()))
 
@@ -355,6 +361,14 @@ class ReplicatedStore:
         if current is not None:
             current.payloads.update(fetched)
             current.nbytes.update({o: nbytes[o] for o in fetched})
+
+    # ------------------------------------------------------- tier 2: a relaunch's attach (``_backing``)
+    def _recoverable(self, layout: Layout, dead: list[int], live: set[int], sizes: Mapping[int, int]) -> bool:
+        return copies_recoverable(self.chunk_bytes, self.replication)(layout, dead, live, sizes)
+
+    def _attached(self, me: int, number: int, doc: dict[str, Any], own: np.ndarray | None,
+                  buffer: np.ndarray | None) -> Version:
+        return attached_copies(me, number, doc, own, buffer)
 
     def _held(self, p: Piece) -> Held:
         assert self._chain.current is not None

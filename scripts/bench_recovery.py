@@ -49,8 +49,10 @@ Node loss (``--nodes N``, root: simulated nodes, see ``elastic.launch --simulate
 node 1 is killed (its daemon, its ranks, its memory) ``interval + 7`` steps in;
 Open MPI then ends the whole job. (e) tier 2: the launcher relaunches on the
 other nodes plus a spare node and the ranks restore from the surviving nodes'
-memory, forked from the launcher's warm process, and (e') the same started
-cold; (f) checkpoint-restart of the same state from disk, relaunched by hand
+memory, forked from the launcher's warm process, (e') the same started
+cold, and (e'') the same with the rank-unique state kept by parity (``xor:N``,
+N the nodes: one member of each group per node, so the lost node costs each
+group one; its fetch is the decode); (f) checkpoint-restart of the same state from disk, relaunched by hand
 (cold) on as many nodes. Phases of (e): detect (kill -> the runtime gone), relaunch
 (-> every rank started), attach (-> the nodes' versions agreed), fetch,
 resume (-> the loop resumed), redo. Beside them, the fetch's rate (the lost
@@ -303,12 +305,14 @@ def in_memory(n: int, mb: int, mode: str, kills: int, a: argparse.Namespace, run
     return out
 
 
-def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path, cold: bool = False) -> list[dict]:
-    """Tier 2: node 1 killed once; the launcher relaunches from the nodes' memory (phases, seconds)."""
-    run_dir = tmp / f"node-{n}-{mb}{'-cold' if cold else ''}"
+def node_loss(n: int, mb: int, a: argparse.Namespace, tmp: Path, cold: bool = False, parity: str | None = None
+              ) -> list[dict]:
+    """Tier 2: node 1 killed once; the launcher relaunches from the nodes' memory (phases, seconds).
+    ``parity``: the rank-unique state kept by that redundancy instead of copies."""
+    run_dir = tmp / f"node-{n}-{mb}{'-cold' if cold else ''}{'-parity' if parity else ''}"
     failed_at = a.interval + 7
     launch(n, run_dir, ["--simulate-nodes", str(a.nodes), "--spare-nodes", "1", "--inject", f"node1@{failed_at}"]
-           + (["--cold"] if cold else []),
+           + (["--cold"] if cold else []) + (["--redundancy", parity] if parity else []),
            ["--state-mb", str(mb), "--steps", str(a.interval * 2 + 10), "--commit-every", str(a.interval)])
     events = events_of(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -601,7 +605,9 @@ def node_main(a: argparse.Namespace) -> int:
     a.reps = 1
     print(f"node 1 of {a.nodes} simulated nodes killed {a.interval + 7} steps in (commit / checkpoint every "
           f"{a.interval}); kill -> first step past the one the job was on, seconds", flush=True)
-    head = ("ranks", "MB", "tier 2", "t2 max", "t2 cold", "restart", "restart/t2", "r/t2 cold", "detect", "relaunch",
+    parity = f"xor:{a.nodes}"  # one member of each group per node
+    head = ("ranks", "MB", "tier 2", "t2 max", "t2 cold", "t2 parity", "restart", "restart/t2", "r/t2 cold",
+            "p:fetch", "p:GB/s", "detect", "relaunch",
             "attach", "fetch", "resume", "redo", "c:relaunch", "r:teardown", "r:relaunch", "r:load", "ckpt save",
             "fetch GB/s", "tcp GB/s", "fetch/tcp", "warm")
     print(" ".join(f"{h:>10}" for h in head), flush=True)
@@ -609,24 +615,29 @@ def node_main(a: argparse.Namespace) -> int:
     for n, mb in _configurations(a, 10):
         with tempfile.TemporaryDirectory(dir=a.out) as tmp:
             tcp = tcp_rate(n, mb, a, Path(tmp))
-            tier2, cold, again = [], [], []
+            tier2, cold, by_parity, again = [], [], [], []
             for rep in range(a.node_reps):  # the slow ones alternate with the first tier-2 runs
                 tier2 += node_loss(n, mb, a, Path(tmp) / f"t2-{rep}")
                 if rep == 0:
                     cold = node_loss(n, mb, a, Path(tmp), cold=True)
                     again = restart(n, mb, 1, a, Path(tmp) / "restart", nodes=a.nodes)
-        for row in tier2 + cold:
+                if rep == 1 or a.node_reps == 1:
+                    by_parity = node_loss(n, mb, a, Path(tmp), parity=parity)
+        for row in tier2 + cold + by_parity:
             row["tcp_gbps"] = tcp
-        results.append({"ranks": n, "mb": mb, "tcp_gbps": tcp, "tier2": tier2, "tier2_cold": cold, "restart": again})
+        results.append({"ranks": n, "mb": mb, "tcp_gbps": tcp, "tier2": tier2, "tier2_cold": cold,
+                        "tier2_parity": by_parity, "parity": parity, "restart": again})
         t2, c2, d = med(tier2, "total"), med(cold, "total"), med(again, "total")
         warm = [w for row in tier2 for w in row["warm_hosts"]]
         phases = ("detect", "relaunch", "attach", "fetch", "resume", "redo")
-        cells = (n, mb, t2, top(tier2, "total"), c2, d, d / t2, d / c2, *(med(tier2, k) for k in phases),
+        cells = (n, mb, t2, top(tier2, "total"), c2, med(by_parity, "total"), d, d / t2, d / c2,
+                 med(by_parity, "fetch"), med(by_parity, "fetch_gbps"), *(med(tier2, k) for k in phases),
                  med(cold, "relaunch"), *(med(again, k) for k in ("teardown", "relaunch", "load", "save")),
                  med(tier2, "fetch_gbps"), tcp, med(tier2, "fetch_gbps") / tcp,
                  f"{sum(w[0] == w[1] for w in warm)}/{len(warm)}")
         print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells), flush=True)
-    print("fetch GB/s: the lost node's bytes over the store's fetch; tcp GB/s: MPI point to point between simulated "
+    print(f"t2 parity: tier 2 with --redundancy {parity} (p:fetch its decode, s; p:GB/s its rate); "
+          "fetch GB/s: the lost node's bytes over the store's fetch; tcp GB/s: MPI point to point between simulated "
           "nodes 0 and N-1 in the same run; warm: relaunched ranks on new hosts forked by their own host's warm "
           "process / all of them", flush=True)
     (a.out / "bench_node_loss.json").write_text(json.dumps({"interval": a.interval, "nodes": a.nodes,

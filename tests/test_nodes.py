@@ -271,6 +271,53 @@ def test_a_node_lost_during_the_relaunch(tmp_path, six):
     assert killers == [("node1", "step"), ("node2", "restore")], killers
 
 
+CG = ("examples/cg.py", "--n", "96", "--commit-every", "5")  # strips: rank-unique, what parity covers
+
+
+@pytest.mark.fault
+@needs_fake_nodes
+@pytest.mark.parametrize("redundancy", ["xor:3", "rs:3+2"])
+def test_a_lost_node_comes_back_from_the_parity_in_the_other_nodes_memory_bitwise(tmp_path, six, redundancy):
+    """Groups of 3, one member per node ({0, 2, 4}, {1, 3, 5}): node1 lost at step 20 costs each
+    group one member; the relaunch attaches node0's and node2's payloads and parity from their
+    memory and decodes ranks 2, 3 on the spare node, bitwise the failure-free run."""
+    job = launch(tmp_path, 6, *THREE_NODES, "--spare-nodes", "1", "--redundancy", redundancy,
+                 "--inject", "node1@20", program=CG)
+    assert job.rc == 0, job.output
+    assert (job.result["x_sha256"], job.result["steps"]) == (six(CG)["result"]["x_sha256"], six(CG)["result"]["steps"])
+    assert job.summary["relaunches"] == 1 and job.summary["lost_nodes"] == ["node1"]
+    attached = _relaunched(job)
+    chosen = {a["chosen"] for a in attached}
+    assert len(attached) == 6 and len(chosen) == 1, attached
+    found = {a["logical"]: a["versions"] for a in attached}
+    assert found[2] == found[3] == [] and all(found[r] == sorted(chosen) for r in (0, 1, 4, 5)), found
+    recovered = [e for e in job.of("store_recovered") if e["gen"] == min(a["gen"] for a in attached)]
+    assert len(recovered) == 6 and all(e["dead"] == [2, 3] for e in recovered), recovered
+    assert all(e["came_back"] == {"2": "parity", "3": "parity"} for e in recovered), recovered
+    hosts = {o["logical"]: o["host"] for o in job.outcomes if o["status"] == "finished"}
+    assert hosts == {0: "node0", 1: "node0", 2: "node3", 3: "node3", 4: "node2", 5: "node2"}, job.outcomes
+
+
+def test_the_relaunch_takes_the_newest_version_whose_groups_lost_no_more_than_their_parity_survives():
+    from elastic.recovery._backing import newest_whole as _newest_whole
+    from elastic.recovery._parity import Redundancy
+    from elastic.recovery._paritystore import group_and_code, parity_recoverable
+    layout = Layout.of({r: f"node{r // 2}" for r in range(6)})
+    assert {group_and_code(layout, r, Redundancy.parse("xor:3"))[0] for r in range(6)} == {(0, 2, 4), (1, 3, 5)}
+    sizes = {r: 100 for r in range(6)}
+    whole = (sizes, True, True)
+    # node1's ranks 2, 3 are new (spare node): each group lost one member. Version 5: rank 4 sealed its
+    # payload but not its parity, so group (0, 2, 4) lacks two: not whole; version 4 is.
+    offers = [{5: whole, 4: whole}, {5: whole, 4: whole}, {}, {}, {5: (sizes, True, False), 4: whole},
+              {5: whole, 4: whole}]
+    xor = parity_recoverable(Redundancy.parse("xor:3"))
+    assert _newest_whole(offers, list(range(6)), lambda v: layout, xor) == 4
+    assert _newest_whole(offers, list(range(6)), lambda v: layout, parity_recoverable(Redundancy.parse("rs:3+2"))) == 5
+    lost_two = [whole, {}, {}, {}, whole, whole]  # ranks 1-3: group (1, 3, 5) lost two of three
+    assert not xor(layout, [1, 2, 3], {0, 4, 5}, sizes) and _newest_whole(
+        [{4: o} if o else {} for o in lost_two], list(range(6)), lambda v: layout, xor) == 4  # none whole: the newest
+
+
 def test_node_injections_name_the_first_rank_of_the_node():
     hosts = _nodes.simulated_hosts(3, 7)  # 3 slots per node: ranks 0-2, 3-5, 6
     assert hosts == [("node0", 3), ("node1", 3), ("node2", 3)]
@@ -376,7 +423,7 @@ def test_the_plan_and_the_relaunch_planner_work_without_starting_anything(tmp_pa
 
 
 def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():
-    from elastic.recovery._backing import newest_whole as _newest_whole
+    from elastic.recovery._backing import copies_recoverable, newest_whole as _newest_whole
     layout = Layout.of({0: "a", 1: "a", 2: "b", 3: "b"})
     asked: list[int] = []
 
@@ -388,9 +435,10 @@ def test_the_relaunch_takes_the_newest_version_the_live_ranks_hold_whole():
     # Version 5: rank 0 sealed it but its copies are not there (held=False): not whole.
     offers = [{5: (sizes, True, False), 4: (sizes, True, True)}, {5: (sizes, True, True), 4: (sizes, True, True)},
               {}, {}]
-    assert _newest_whole(offers, [0, 1, 2, 3], 64, 2, layout_of) == 4 and asked == [5, 4]
-    assert _newest_whole([{4: (sizes, True, False)}, {}, {}, {}], [0, 1, 2, 3], 64, 2, layout_of) == 4  # none whole
-    assert _newest_whole([{}, {}], [0, 1], 64, 2, layout_of) is None
+    assert _newest_whole(offers, [0, 1, 2, 3], layout_of, copies_recoverable(64, 2)) == 4 and asked == [5, 4]
+    assert _newest_whole([{4: (sizes, True, False)}, {}, {}, {}], [0, 1, 2, 3], layout_of,
+                         copies_recoverable(64, 2)) == 4  # none whole
+    assert _newest_whole([{}, {}], [0, 1], layout_of, copies_recoverable(64, 2)) is None
 
 
 def test_node_files_are_private_and_only_this_jobs_are_read(tmp_path):
@@ -427,18 +475,19 @@ def test_the_node_backing_keeps_only_voted_versions_and_finds_them_again(tmp_pat
         node.receive_buffer(8, version)[:] = version
         segments = [np.full(4, version, np.uint8), np.full(4, 10 * version, np.uint8)]
         node.stage(version, segments, 8, lambda payload: {
-            "owner": 3, "chunk_bytes": 64, "replication": 2, "own": {"nbytes": 8, "sums": sums(payload)},
+            "owner": 3, "chunk_bytes": 64, "way": "copies:2", "own": {"nbytes": 8, "sums": sums(payload)},
             "held": {"nbytes": 8}})
         if version == 1:
             assert node.keep(1, segments, 8, None, None, lambda: [3]).tolist() == [1] * 4 + [10] * 4
     node.abandon(1)  # version 2's vote failed: version 1 stays, alone
     assert sorted(p.name for p in node.files.dir.iterdir()) == ["v1.held", "v1.json", "v1.own"]
     assert not gone.files.dir.exists()  # pruned by the node's first rank when version 1 was kept
-    found = node.found(3, 64, 2, sums)
+    found = node.found(3, 64, "copies:2", sums)
     assert list(found) == [1] and found[1][1].tolist() == [1] * 4 + [10] * 4 and found[1][2].tolist() == [1] * 8
-    assert node.found(3, 128, 2, sums) == {}  # another chunk size: another store's versions
+    assert node.found(3, 128, "copies:2", sums) == {}  # another chunk size: another store's versions
+    assert node.found(3, 64, "xor:4", sums) == {}  # parity's store reads no copies' versions
     (node.files.dir / "v1.own").write_bytes(bytes(8))  # damaged: the payload is not offered, the copies are
-    again = node.found(3, 64, 2, sums)
+    again = node.found(3, 64, "copies:2", sums)
     assert again[1][1] is None and again[1][2].tolist() == [1] * 8
 
 
