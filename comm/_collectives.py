@@ -77,6 +77,45 @@ def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming
     return sum(send_counts)
 
 
+EXCHANGE_TAG = 0x3E1A  # the known-plan exchange's messages (each pair's arrive in order: MPI does not overtake)
+
+
+def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming: Sequence[list[np.ndarray]],
+                   in_flight: Callable[[], None]) -> int:
+    """``exchange`` where every receiver already knows what comes from whom (the same plan on
+    every rank): no counts are exchanged, and only ranks that send to or receive from each other
+    take part, one message per peer at the arrays' own addresses, so a rank waits for its peers
+    and not for every rank. What arrived is checked against what was expected, as ``exchange``
+    checks the counts (``Unrecoverable`` when they differ: a planning bug). A dead peer, or a
+    peer's revoke, is ``ProcessFailure`` (the caller's ``mpi_errors``). Returns the bytes sent."""
+    types: list[MPI.Datatype] = []
+    receives: list[tuple[int, int]] = []  # (peer, bytes expected)
+    requests: list[MPI.Request] = []
+    try:
+        in_flight()
+        for peer, arrays in enumerate(incoming):
+            expected = sum(a.nbytes for a in arrays)
+            if expected:
+                types.append(_blocks_type(arrays))
+                requests.append(comm.Irecv([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
+                receives.append((peer, expected))
+        for peer, arrays in enumerate(outgoing):
+            if sum(a.nbytes for a in arrays):
+                types.append(_blocks_type(arrays))
+                requests.append(comm.Isend([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
+        statuses = [MPI.Status() for _ in requests]
+        MPI.Request.Waitall(requests, statuses)
+    finally:
+        for t in types:
+            t.Free()
+    arrived = [(peer, expected, statuses[i].Get_elements(MPI.BYTE)) for i, (peer, expected) in enumerate(receives)]
+    wrong = [f"{got} bytes from rank {peer} where {expected} were expected" for peer, expected, got in arrived
+             if got != expected]
+    if wrong:
+        raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): {'; '.join(wrong)}")
+    return sum(sum(a.nbytes for a in arrays) for arrays in outgoing)
+
+
 def allgather(comm: MPI.Intracomm, value: Any) -> list[Any]:
     """Every rank's ``value``, by rank (collective)."""
     data = wire.encode(value)

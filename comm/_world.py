@@ -176,14 +176,17 @@ class World:
             _collectives.allreduce_sum(self._comm, arrays, lambda: self.fault_point(at, "collective"))
 
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
-                 point: str = "commit", step: int | None = None) -> int:
+                 point: str = "commit", step: int | None = None, known: bool = False) -> int:
         """Byte arrays to peers, and into given arrays from them, by logical rank (collective; see
         ``_collectives.exchange``). The ``point`` fault (commit or restore) fires with the transfer
-        about to start. Returns the bytes sent."""
+        about to start. ``known``: every receiver knows what comes (one plan on every rank): only the
+        ranks that exchange bytes wait for each other (``_collectives.exchange_known``). Returns the
+        bytes sent."""
         order = [int(r) for r in self.logical_ranks]
+        move = _collectives.exchange_known if known else _collectives.exchange
         with self._guard():
-            return _collectives.exchange(self._comm, _collectives.by_rank(outgoing, order),
-                                         _collectives.by_rank(incoming, order), lambda: self.fault_point(step, point))
+            return move(self._comm, _collectives.by_rank(outgoing, order), _collectives.by_rank(incoming, order),
+                        lambda: self.fault_point(step, point))
 
     def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
                   step: int | None = None) -> None:

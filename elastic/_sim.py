@@ -350,9 +350,10 @@ class SimRank:
 
     # ------------------------------------------------------------------ data plane
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
-                 point: str = "commit", step: int | None = None) -> int:
+                 point: str = "commit", step: int | None = None, known: bool = False) -> int:
         self.fault_point(step, point)
-        # As one Alltoallw: what a sender's arrays hold, back to back, fills the receiver's in order.
+        # As one Alltoallw (``known``: the same bytes, point to point): what a sender's arrays hold, back to
+        # back, fills the receiver's in order.
         sent = {r: _packed(arrays) for r, arrays in outgoing.items() if arrays and sum(a.nbytes for a in arrays)}
         got = self._job._collective(self, sent)
         for source, arrays in incoming.items():
@@ -447,7 +448,7 @@ class _MirrorRank(SimRank):
     rehearsal = True  # elastic.distributed.ProcessGroup over it keeps torch's default group, the rehearsal's
 
     def exchange(self, outgoing: Mapping[int, list[np.ndarray]], incoming: Mapping[int, list[np.ndarray]],
-                 point: str = "commit", step: int | None = None) -> int:
+                 point: str = "commit", step: int | None = None, known: bool = False) -> int:
         self.fault_point(step, point)
         sent = [_packed(arrays) for arrays in outgoing.values() if arrays and sum(a.nbytes for a in arrays)]
         for arrays in incoming.values():

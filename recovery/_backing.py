@@ -27,6 +27,7 @@ import numpy as np
 from elastic.comm import Group, ProcessFailure
 
 from ._nodestore import NodeFiles
+from ._parity import aligned_empty
 from ._payload import Payload
 from ._placement import DataLost, Layout, Piece, plan
 from ._versions import Held, Version
@@ -85,8 +86,8 @@ class ProcessMemory:
         self._spare: np.ndarray | None = None
 
     def receive_buffer(self, nbytes: int, version: int) -> np.ndarray:
-        spare, self._spare = self._spare, None
-        return spare if spare is not None and spare.nbytes == nbytes else np.empty(nbytes, np.uint8)
+        spare, self._spare = self._spare, None  # aligned: parity's XOR runs in ISA-L's vector loads there
+        return spare if spare is not None and spare.nbytes == nbytes else aligned_empty(nbytes)
 
     def stage(self, version: int, segments: list[np.ndarray], total: int,
               manifest: Callable[[np.ndarray], dict[str, Any]]) -> None:

@@ -187,6 +187,32 @@ def _accumulate_numpy(out: np.ndarray, c: int, block: np.ndarray) -> None:
     np.bitwise_xor(out, _times(c)[block], out=out)
 
 
+def xor_into(out: np.ndarray, blocks: Sequence[np.ndarray]) -> None:
+    """out ^= every block (uint8 arrays of out's length) in one pass over out: ISA-L's ``xor_gen``
+    where the arrays are 32-byte aligned (it reads them with aligned vector loads), ~1.5x two of
+    numpy's passes over two blocks here; numpy's, one block at a time, otherwise and for the tail."""
+    lib = _isal()
+    body = out.size // ALIGN * ALIGN
+    arrays = [out, *blocks]
+    if lib is not None and len(blocks) > 1 and body and all(a.ctypes.data % ALIGN == 0 for a in arrays):
+        lib.xor_gen(len(arrays) + 1, body, (ctypes.c_void_p * (len(arrays) + 1))(
+            *(a.ctypes.data for a in arrays), out.ctypes.data))
+    else:
+        body = 0
+    for block in blocks:
+        _xor(out[body:], block[body:])
+
+
+ALIGN = 32  # the alignment ISA-L's vector loads need
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A fresh uint8 array whose first byte is ``ALIGN``-aligned (numpy's need not be)."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes]
+
+
 def _xor(out: np.ndarray, block: np.ndarray) -> None:
     """out ^= block: 8-byte words over the longest prefix that has them, bytes after it."""
     words = out.size // 8 * 8
@@ -213,6 +239,7 @@ def _isal() -> ctypes.CDLL | None:
             lib.ec_init_tables.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
             lib.ec_encode_data_update.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.xor_gen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
             return lib
         except (OSError, AttributeError):
             continue

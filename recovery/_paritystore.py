@@ -5,9 +5,11 @@ computes, in each parity group (``_parity.group_of``: one member per failure dom
 domains allow), every member's parity blocks of the group's replicated payloads, in at most 8
 exchanges (each carries one piece of every member's segments, straight from its arrays, to that
 segment's codeword's parity holders, who add it in: the XOR, or its GF(2^8) multiple), so that a
-holder stages a quarter of its parity's size at most; then the same vote, the roll-back copy and
-the same chain of versions. A failure anywhere in a commit leaves the last agreed version (its
-payloads and parity) on every survivor.
+holder stages a quarter of its parity's size at most. The exchanges are point to point within
+the group (every member knows the plan: no counts exchanged, no wait for the other groups), and
+a holder XORs all of a piece's staged blocks into its parity in one pass (``xor_into``); then
+the same vote, the roll-back copy and the same chain of versions. A failure anywhere in a
+commit leaves the last agreed version (its payloads and parity) on every survivor.
 
 Recovery: a dead member's payload is summed, piece by piece, at its receiver (the replacement
 or, after a shrink, the adopter: ``plan_fetch`` says who, as for copies) from the blocks of its
@@ -33,7 +35,7 @@ from elastic.comm import ConfigError, Group, ProcessFailure, agreed
 from ._backing import Recoverable, attached_copies, manifest
 from ._copies import layout_of
 from ._fetch import Fetch, Offer
-from ._parity import Code, Redundancy, _accumulate, group_of
+from ._parity import ALIGN, Code, Redundancy, _accumulate, aligned_empty, group_of, xor_into
 from ._payload import Payload
 from ._placement import DataLost, Layout, Piece
 from ._share import byte_slices
@@ -53,7 +55,7 @@ class ParityHeld:
 
 
 # The least a commit's exchange moves of each segment: more exchanges of less cost their latency
-# (two collectives each) and save little of the staging they bound.
+# (each waits for the group's slowest member) and save little of the staging they bound.
 PIECE_BYTES = 1 << 20
 PARITY = (-1, 0, 0)  # the version's ``held`` key of this member's parity blocks (their checksums)
 
@@ -150,7 +152,7 @@ class _Piece:
            sizes: Mapping[int, int], me: int, q: int, pieces: int) -> "_Piece":
         plan = cls([], [], [], [])
         for receiver, x, s, seg, terms in sums:
-            piece = 8 * -(-seg // (8 * pieces))
+            piece = ALIGN * -(-seg // (ALIGN * pieces))  # whole aligned words: the staged blocks stay aligned
             lo, hi = min(seg, q * piece), min(seg, (q + 1) * piece)
             target = max(0, min(hi - lo, sizes[x] - s * seg - lo))  # beyond the payload's end: nothing
             if receiver == me and target:
@@ -234,7 +236,7 @@ class ParityStore(ReplicatedStore):
         parity, flat = None, np.empty(0, np.uint8)
         if m == 0:  # alone, or a group of one: nothing to encode, but the exchanges are collective
             for _ in range(pieces):
-                world.exchange({}, {}, point="commit", step=version)
+                world.exchange({}, {}, point="commit", step=version, known=True)
             self.bytes_moved = 0
         else:
             code = Code(len(group), m, max(sizes.values()))
@@ -260,8 +262,8 @@ class ParityStore(ReplicatedStore):
     def _exchanges(self, layout: Layout, longest: int) -> int:
         """The commit's exchanges, the same count on every rank: each carries one piece of every
         segment, of ``PIECE_BYTES`` (or ``chunk_bytes``, if less) at least, so that a holder stages a
-        quarter of its parity's size at most, in 8 exchanges at most (each one waits for the slowest
-        rank: ~7 ms on 2 cores); from the job's longest payload and its groups' shape."""
+        quarter of its parity's size at most, in 8 exchanges at most (each one waits for the group's
+        slowest member); from the job's longest payload and its groups' shape."""
         n = len(layout.ranks)
         lengths = {n // max(1, n // self.redundancy.k), -(-n // max(1, n // self.redundancy.k))}
         m = self.redundancy.m
@@ -290,7 +292,7 @@ class ParityStore(ReplicatedStore):
         flat = self._backing.receive_buffer(m * seg, version)  # the retired version's parity buffer
         blocks = flat.reshape(m, seg)
         if self._staging.nbytes < len(staged) * piece:
-            self._staging = np.empty(len(staged) * piece, np.uint8)
+            self._staging = aligned_empty(len(staged) * piece)
         slot = {(b, t): n for n, (b, t, _, _) in enumerate(staged)}
         summed = [b for b in range(m) if all((x[0], x[1]) in slot for x in lands if x[0] == b)]  # none lands in place
         sends = [(t, group[h]) for t, h in code.destinations(i)]
@@ -315,11 +317,18 @@ class ParityStore(ReplicatedStore):
                 if n:
                     incoming.setdefault(src, []).append(into)
             self.bytes_moved += world.exchange({o: a for o, a in outgoing.items() if a}, incoming,
-                                               point="commit", step=version)
+                                               point="commit", step=version, known=True)
             t0 = time.perf_counter()
+            whole: dict[int, list[np.ndarray]] = {}  # parity block -> the staged blocks XORed in, whole pieces
             for b, t, _, coefficient in staged:
                 n = landed[(b, t)]
-                _accumulate(blocks[b][lo:lo + n], coefficient, self._staging[slot[(b, t)] * piece:][:n])
+                block = self._staging[slot[(b, t)] * piece:][:n]
+                if coefficient == 1 and n == hi - lo:
+                    whole.setdefault(b, []).append(block)
+                else:
+                    _accumulate(blocks[b][lo:lo + n], coefficient, block)
+            for b, added in whole.items():  # one pass over the parity for all of them
+                xor_into(blocks[b][lo:hi], added)
             phases["encode"] += time.perf_counter() - t0
         return blocks
 
@@ -430,7 +439,7 @@ class ParityStore(ReplicatedStore):
             for x, at, n in plan.zeros:
                 out[x][at:at + n] = 0
             try:
-                sent += world.exchange(outgoing, incoming, point="restore")
+                sent += world.exchange(outgoing, incoming, point="restore", known=True)
             except ProcessFailure:
                 ok = False
                 break

@@ -19,7 +19,7 @@ def test_pytest_mpi_suite_at_four_ranks():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     passed = [int(n) for n in re.findall(r"(\d+) passed", out)]
-    assert passed == [12, 12, 12, 12], out  # each rank ran and passed all twelve tests
+    assert passed == [13, 13, 13, 13], out  # each rank ran and passed all thirteen tests
     assert "failed" not in out and "skipped" not in out, out
 
 

@@ -146,3 +146,28 @@ def test_isa_l_and_numpy_multiply_alike_and_the_wheel_brings_isa_l_where_it_ship
     assert all(np.array_equal(code.parity(i, segments), parity[i]) for i in range(6))
     again = code.rebuild([0, 2, 5], {i: segments[i] for i in (1, 3, 4)}, {i: parity[i] for i in (1, 3, 4)})
     assert all(np.array_equal(rebuilt[i], again[i]) and np.array_equal(rebuilt[i], segments[i]) for i in (0, 2, 5))
+
+
+def test_the_one_pass_xor_of_several_blocks_is_their_xor_aligned_or_not_and_takes_isa_l_when_aligned(monkeypatch):
+    from elastic.recovery import _parity
+
+    rng = np.random.default_rng(5)
+    calls: list[int] = []
+    lib = _parity._isal()
+    if lib is not None:  # count the fused calls: a wrapper over the real function
+        real = lib.xor_gen
+        monkeypatch.setattr(lib, "xor_gen", lambda vects, n, arrays: calls.append(vects) or real(vects, n, arrays))
+    for n, shift, count in ((4096, 0, 2), (4099, 0, 3), (40, 0, 2), (4096, 8, 2), (31, 0, 2), (4096, 0, 1)):
+        raw = [_parity.aligned_empty(n + shift) for _ in range(count + 1)]
+        out, *blocks = [a[shift:] for a in raw]
+        for a in (out, *blocks):
+            a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        want = out.copy()
+        for block in blocks:
+            want ^= block
+        before = len(calls)
+        _parity.xor_into(out, blocks)
+        assert np.array_equal(out, want), (n, shift, count)
+        fused = len(calls) > before
+        assert fused == (lib is not None and shift == 0 and count > 1 and n >= _parity.ALIGN), (n, shift, count)
+    assert all(_parity.aligned_empty(n).ctypes.data % _parity.ALIGN == 0 for n in (1, 1000, 1 << 20, 5 << 20))

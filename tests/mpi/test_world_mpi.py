@@ -79,3 +79,22 @@ def test_the_old_name_of_neighbors_still_works_and_says_the_new_one(world):
     with pytest.warns(DeprecationWarning, match=r"world.mpi.neighbors is world.neighbors now"):
         world.mpi.neighbors([((r + 1) % n, 3, np.full(2, float(r)))], [((r - 1) % n, 3, got)])
     assert got.tolist() == [float((r - 1) % n)] * 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_exchange_with_a_known_plan_moves_the_same_bytes_and_refuses_a_plan_that_differs(world):
+    """``exchange(known=True)``: point to point, no counts exchanged. Each rank sends its right-hand
+    neighbour three arrays that the receiver takes into two (the bytes cross the arrays' bounds, as
+    a payload's fields cross a parity segment's); a receiver that expects more than is sent says so."""
+    from elastic.comm import Unrecoverable
+
+    n, me = world.size, int(world.logical_rank)
+    right, left = (me + 1) % n, (me - 1) % n
+    sent = [np.full(5, me, np.uint8), np.arange(7, dtype=np.uint8) + me, np.full(4, 200 + me, np.uint8)]
+    into = [np.zeros(9, np.uint8), np.zeros(7, np.uint8)]
+    assert world.exchange({right: sent}, {left: into}, known=True) == 16
+    assert np.array_equal(np.concatenate(into), np.concatenate(
+        [np.full(5, left), np.arange(7) + left, np.full(4, 200 + left)]).astype(np.uint8))
+    world.vote(True)
+    with pytest.raises(Unrecoverable, match="transfer plan differs across ranks"):
+        world.exchange({right: sent}, {left: [np.zeros(20, np.uint8)]}, known=True)  # 16 bytes arrive, 20 expected
