@@ -152,7 +152,7 @@ class _Piece:
            sizes: Mapping[int, int], me: int, q: int, pieces: int) -> "_Piece":
         plan = cls([], [], [], [])
         for receiver, x, s, seg, terms in sums:
-            piece = ALIGN * -(-seg // (ALIGN * pieces))  # whole aligned words: the staged blocks stay aligned
+            piece = 8 * -(-seg // (8 * pieces))
             lo, hi = min(seg, q * piece), min(seg, (q + 1) * piece)
             target = max(0, min(hi - lo, sizes[x] - s * seg - lo))  # beyond the payload's end: nothing
             if receiver == me and target:
@@ -284,7 +284,7 @@ class ParityStore(ReplicatedStore):
         and stages the others, then adds them in (collective)."""
         world, me = self.world, int(self.world.logical_rank)
         i, m, seg = group.index(me), code.m, code.segment
-        piece = 8 * -(-seg // (8 * pieces))
+        piece = ALIGN * -(-seg // (ALIGN * pieces))  # whole aligned words: the staged blocks stay aligned
         # What lands where, the same every exchange: (block, data block t, sender, coefficient), by sender
         # then t (the order each sender sends in); the first data block lands in place when its weight is 1.
         lands = sorted(((b, t, group[owner], c) for b, t, owner, c in code.sources(i)), key=lambda x: (x[2], x[1]))
