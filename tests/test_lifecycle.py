@@ -280,11 +280,14 @@ def test_a_kill_during_the_spawn_is_one_more_round(tmp_path, reference):
     assert_bitwise(job, reference(NUMPY), "optimizer_sha256")
     rebuild = the_rebuild(job)
     assert rebuild["failed"] == [1, 3] and rebuild["replaced"] == [1, 3] and rebuild["attempts"] >= 2
-    # The first spawn's child: it says it was abandoned, or (seen once in CI, the machine busy) it was
-    # still joining its parents when they gave up on it, and its sentinel killed it at its bound.
+    # Only the second round's children became members: the first spawn's child never joined.
+    assert len(job.of("spawned")) == 2, job.of("spawned")
+    # That child says it was abandoned; or (the machine busy, seen in CI) it was still joining its
+    # parents when they gave up on it, and its sentinel killed it at its bound; or the job finished
+    # first and its end killed the child before either (CI again: nothing recorded then).
     abandoned = [o for o in job.outcomes if o["status"] == "spawn-abandoned"]
     bounded = [f for f in job.fates if f["end"] == "deadline"]
-    assert len(abandoned) + len(bounded) == 1, (job.outcomes, job.fates)
+    assert len(abandoned) + len(bounded) <= 1, (job.outcomes, job.fates)
 
 
 def test_spawn_runs_under_the_default_detection(tmp_path, reference):
@@ -433,7 +436,10 @@ def _start(run_dir, *launcher_args: str, steps: int = 60, program_args: tuple[st
 
 def _wait_for_step(run_dir, logical: int, step: int, gen: int = 0) -> int:
     """Poll the events (a condition, not a sleep) until the job reached ``step`` in generation
-    ``gen`` or later; returns the pid of logical rank ``logical`` there (a promoted spare's too)."""
+    ``gen`` or later and committed there; returns the pid of logical rank ``logical`` there (a
+    promoted spare's too). The commit matters: until the first commit after a recovery the copies
+    the dead rank held are not made again (the store's documented window), so a second kill inside
+    it may lose a state that had its only other copy there; a busy machine reached it in CI."""
     deadline = time.monotonic() + JOB_TIMEOUT
     while time.monotonic() < deadline:
         try:
@@ -441,7 +447,8 @@ def _wait_for_step(run_dir, logical: int, step: int, gen: int = 0) -> int:
         except ValueError:  # a line being written right now
             events = []
         pids = [e["pid"] for e in events if e["logical"] == logical and e["gen"] >= gen]
-        if pids and any(e["event"] == "step" and e["step"] >= step and e["gen"] >= gen for e in events):
+        if pids and any(e["event"] == "step" and e["step"] >= step and e["gen"] >= gen for e in events) \
+                and any(e["event"] == "committed" and e["gen"] >= gen for e in events):
             return pids[-1]
         time.sleep(0.1)
     raise AssertionError(f"the job never reached step {step} in generation {gen}")
