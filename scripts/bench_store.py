@@ -13,8 +13,8 @@ other hosts, rounded up: a chunk is not split).
 
 ``--sizes``: for each (ranks, MB per rank) one job under mpiexec --with-ft ulfm
 with one spare. In it, side by side: a ring Sendrecv of the same bytes (raw
-point-to-point), memcpy, 5 commits (replication 2, 8 MB chunks; cold = the
-first, warm = the median of the last 3; with the store's roll-back copy, the
+point-to-point), memcpy, 7 commits (replication 2, 8 MB chunks; cold = the
+first, warm = the median of the last 5, their max beside it; with the store's roll-back copy, the
 default, and without it: ``--copy``), the memory each rank holds (RSS, and
 its high-water mark, over the state's size: the state itself counts as 1),
 then logical rank 1 is SIGKILLed and the spare takes over: kill -> the
@@ -27,6 +27,10 @@ job each, in turn for every size; ``rs:K+M`` loses M ranks of one group at once 
 come back bitwise. Encode = the state over the seconds the commit spends adding blocks into its
 parity (XOR, GF(2^8): the arithmetic, its traffic is the exchange phase), decode = the state over
 the fetch, both against the same job's memcpy and p2p rates.
+
+``--rounds R``: the ways in turn, R times over (a job each), and per way the ratios of its commit and
+its memory to the first way's job of the same round (adjacent jobs: the machine's load drifts slower
+than a round): median, mean and max over the rounds.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from elastic.comm.events import read_events  # noqa: E402  (no MPI: the tool does not start it)
 CHUNK = 8 << 20
+COMMITS = 7  # per job: the first is cold, the first two are left out of the warm median
 PHASES = ("prepare", "exchange", "encode", "checksum", "vote", "pack")
 
 
@@ -147,13 +152,14 @@ def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     out: dict[str, float] = {}
     if world.role is not elastic.Role.RECOVERED:
         times = []
-        for v in range(5):
+        for v in range(COMMITS):
             comm.Barrier()
             t = time.perf_counter()
             store.commit(state, v + 1)
             times.append(time.perf_counter() - t)
         rss, peak = _memory()
-        out["commit_cold_s"], out["commit_s"] = times[0], statistics.median(times[2:])
+        out["commit_cold_s"], out["commit_s"], out["commit_max_s"] = \
+            times[0], statistics.median(times[2:]), max(times[2:])
         out["steady_over_state"], out["peak_over_state"] = (rss - base) / nbytes, (peak - base) / nbytes
         out.update(raw_bandwidth(world, state["weights"]))  # after: its receive buffer is no memory of the store's
         comm.Barrier()
@@ -181,6 +187,7 @@ def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     results = comm.gather(out, root=0)
     if world.rank == 0:
         merged = {k: statistics.median(r[k] for r in results if k in r) for k in results[0]}
+        merged["commit_max_s"] = max(r["commit_max_s"] for r in results if "commit_max_s" in r)
         merged.update(fetch_s=fetch, restored_ok=bool(all_ok), mb=mb, ranks=world.size, lost=len(killed),
                       down_s=done - float((run_dir / "killed_at").read_text()))
         (run_dir / "bench.json").write_text(json.dumps(merged))
@@ -215,7 +222,7 @@ def bytes_row(n: int, mb: int, rollback_copy: bool, redundancy: str = "copies:2"
             "p2p_mb_s": mb / r["p2p_s"], "memcpy_mb_s": mb / r["memcpy_s"],
             "encode_mb_s": mb / phases["commit_encode_s"] if phases.get("commit_encode_s") else None,
             "decode_mb_s": mb / r["fetch_s"],
-            "commit_cold_s": r["commit_cold_s"], "commit_s": r["commit_s"],
+            "commit_cold_s": r["commit_cold_s"], "commit_s": r["commit_s"], "commit_max_s": r["commit_max_s"],
             "commit_over_p2p": r["p2p_s"] / r["commit_s"],
             "memory_over_state": r["steady_over_state"], "peak_over_state": r["peak_over_state"],
             "rebuild_s": r["rebuild_s"], "fetch_s": r["fetch_s"], "down_s": r["down_s"], "floor_s": floor,
@@ -223,12 +230,12 @@ def bytes_row(n: int, mb: int, rollback_copy: bool, redundancy: str = "copies:2"
 
 
 def _phases(run_dir: str) -> dict[str, float]:
-    """Median seconds of each phase of the warm commits (the last 3 of 5), over the ranks."""
+    """Median seconds of each phase of the warm commits (all but the first two), over the ranks."""
     by_rank: dict[int, list[dict]] = collections.defaultdict(list)
     for e in read_events(run_dir):
         if e["event"] == "committed":
             by_rank[e["logical"]].append(e["durations"])
-    warm = [d for commits in by_rank.values() for d in commits[2:5]]
+    warm = [d for commits in by_rank.values() for d in commits[2:COMMITS]]
     return {f"commit_{k}_s": statistics.median(d[k] for d in warm) for k in (warm[0] if warm else {})}
 
 
@@ -246,6 +253,9 @@ def main() -> int:
                         help="rows with the store's roll-back copy (the default store), without it, or both")
     parser.add_argument("--redundancy", default="copies:2",
                         help="comma-separated ways to keep the state, one job each in turn: copies:R, xor:K, rs:K+M")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the ways in turn this many times over; then each way's commit and memory over the "
+                             "first way's of the same round: median, mean, max")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-rollback-copy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -269,11 +279,11 @@ def main() -> int:
                 print(" ".join(f"{c:>17.4f}" if isinstance(c, float) else f"{c:>17}" for c in cells), flush=True)
         return 0
     keys = ("ranks", "mb", "redundancy", "lost", "rollback_copy", "p2p_mb_s", "memcpy_mb_s", "encode_mb_s",
-            "decode_mb_s", "commit_cold_s", "commit_s", "commit_over_p2p", "memory_over_state", "peak_over_state",
-            "rebuild_s", "fetch_s", "down_s", "floor_s", "down_over_floor", "bitwise")
+            "decode_mb_s", "commit_cold_s", "commit_s", "commit_max_s", "commit_over_p2p", "memory_over_state",
+            "peak_over_state", "rebuild_s", "fetch_s", "down_s", "floor_s", "down_over_floor", "bitwise")
     head = ("ranks", "MB", "redundancy", "lost", "copy", "p2p MB/s", "memcpy MB/s", "encode MB/s", "decode MB/s",
-            "cold commit", "commit s", "commit/p2p", "mem/state", "peak/state", "rebuild s", "fetch s", "down s",
-            "floor s", "down/floor", "bitwise")
+            "cold commit", "commit s", "commit max", "commit/p2p", "mem/state", "peak/state", "rebuild s", "fetch s",
+            "down s", "floor s", "down/floor", "bitwise")
     if not args.json:
         print("8 MB chunks, a spare per rank lost; commit/p2p = raw ring Sendrecv time over commit time; "
               "mem = RSS over the state (the state counts 1); encode = MB over the commit's arithmetic (parity), "
@@ -282,22 +292,49 @@ def main() -> int:
         print(" ".join(f"{h:>11}" for h in head), flush=True)
     copies = {"both": (True, False), "yes": (True,), "no": (False,)}[args.copy]
     ways = [w.strip() for w in args.redundancy.split(",") if w.strip()]
-    rows = [(n, mb, c, w) for n in args.ranks or [4, 8] for mb in args.sizes for c in copies for w in ways]
-    for n, mb, copy, way in rows:  # the ways alternate within each size
+    configs = [(n, mb, c) for n in args.ranks or [4, 8] for mb in args.sizes for c in copies]
+    for n, mb, copy in configs:
         if n * mb > args.max_total_mb:
             print(f"{n:>11} {mb:>11}  skipped: {n * mb} MB in all exceeds --max-total-mb", flush=True)
             continue
-        r = bytes_row(n, mb, copy, way)
-        if isinstance(r, str):
-            print(f"{n:>11} {mb:>11} {way:>11}  {r}", flush=True)
-        elif args.json:
-            print(json.dumps(r), flush=True)
-        else:
-            print(" ".join(f"{r[k]:>11.3f}" if isinstance(r[k], float) else f"{r[k]!s:>11}" for k in keys), flush=True)
-            print(f"{'':>23}commit phases (s): " + ", ".join(
-                f"{k[7:-2]} {v:.3f}" for k, v in r.items() if k.startswith("commit_") and k[7:-2] in PHASES),
-                flush=True)
+        rounds = [{way: _print_row(bytes_row(n, mb, copy, way), n, mb, way, keys, args.json) for way in ways}
+                  for _ in range(args.rounds)]  # the ways alternate within each round
+        if len(ways) > 1:
+            _print_ratios(rounds, ways, n, mb, args.json)
     return 0
+
+
+def _print_row(r: dict | str, n: int, mb: int, way: str, keys: tuple[str, ...], as_json: bool) -> dict | None:
+    """One job's row, printed; the row, or None when the job failed."""
+    if isinstance(r, str):
+        print(f"{n:>11} {mb:>11} {way:>11}  {r}", flush=True)
+        return None
+    if as_json:
+        print(json.dumps(r), flush=True)
+        return r
+    print(" ".join(f"{r[k]:>11.3f}" if isinstance(r[k], float) else f"{r[k]!s:>11}" for k in keys), flush=True)
+    print(f"{'':>23}commit phases (s): " + ", ".join(
+        f"{k[7:-2]} {v:.3f}" for k, v in r.items() if k.startswith("commit_") and k[7:-2] in PHASES), flush=True)
+    return r
+
+
+def _print_ratios(rounds: list[dict[str, dict | None]], ways: list[str], n: int, mb: int, as_json: bool) -> None:
+    """Each way's commit and memory over the first way's, paired within a round (adjacent jobs)."""
+    first = ways[0]
+    if not as_json:
+        print(f"{'':>23}over {first}, paired by round ({len(rounds)}): median / mean / max", flush=True)
+    for way in ways[1:]:
+        row: dict = {"ratios": True, "ranks": n, "mb": mb, "redundancy": way, "over": first}
+        for key, name in (("commit_s", "commit"), ("memory_over_state", "memory")):
+            ratios = [r[way][key] / r[first][key] for r in rounds if r[way] and r[first]]
+            row[name] = {"median": statistics.median(ratios), "mean": statistics.mean(ratios), "max": max(ratios),
+                         "rounds": ratios} if ratios else None
+        if as_json:
+            print(json.dumps(row), flush=True)
+            continue
+        cells = ", ".join(f"{name} {row[name]['median']:.3f} / {row[name]['mean']:.3f} / {row[name]['max']:.3f}"
+                          if row[name] else f"{name} -" for name in ("commit", "memory"))
+        print(f"{'':>23}{way}: {cells}", flush=True)
 
 
 if __name__ == "__main__":
