@@ -139,10 +139,12 @@ def decode_sums(decodes: Sequence[Decode], sizes: Mapping[int, int]
 @dataclasses.dataclass
 class _Piece:
     """One exchange of a decode, as this rank takes part in it (pure): what it sends, what it
-    receives into its staging, which pieces of its payloads it zeroes, then what it adds where."""
+    receives (into a payload, or into its staging), which pieces of its payloads it zeroes, then
+    what it adds where. A segment's first whole term of weight 1 from a peer lands in the payload
+    itself: no zeroing, no staging and no pass to add it."""
 
     sends: list[tuple[int, str, int, int, int]]      # (receiver, kind, index, start, bytes)
-    receives: list[tuple[int, int, int]]             # (holder, staging offset, bytes), in order
+    receives: list[tuple[int, int | None, int, int]]  # (holder, dead member or None: staging, offset, bytes)
     zeros: list[tuple[int, int, int]]                # (dead member, payload offset, bytes)
     adds: list[tuple[int, int, int, tuple[Any, ...]]]  # (dead member, payload offset, coefficient, source)
     staged: int = 0
@@ -155,19 +157,25 @@ class _Piece:
             piece = 8 * -(-seg // (8 * pieces))
             lo, hi = min(seg, q * piece), min(seg, (q + 1) * piece)
             target = max(0, min(hi - lo, sizes[x] - s * seg - lo))  # beyond the payload's end: nothing
-            if receiver == me and target:
+            counts = [min(target, max(0, size - (index * seg + lo)) if kind == "data" else hi - lo)
+                      for _, kind, index, _, size in terms]
+            first = next((j for j, (holder, _, _, coefficient, _) in enumerate(terms)
+                          if holder != me and coefficient == 1 and counts[j] == target), None)
+            if receiver == me and target and first is None:
                 plan.zeros.append((x, s * seg + lo, target))
-            for holder, kind, index, coefficient, size in terms:
+            for j, (holder, kind, index, coefficient, _) in enumerate(terms):
                 start = index * seg + lo if kind == "data" else lo
-                n = min(target, max(0, size - start) if kind == "data" else hi - lo)
+                n = counts[j]
                 if not n or (holder != me and receiver != me):
                     continue
                 if receiver != me:
                     plan.sends.append((receiver, kind, index, start, n))
                 elif holder == me:
                     plan.adds.append((x, s * seg + lo, coefficient, ("local", kind, index, start, n)))
+                elif j == first:
+                    plan.receives.append((holder, x, s * seg + lo, n))
                 else:
-                    plan.receives.append((holder, plan.staged, n))
+                    plan.receives.append((holder, None, plan.staged, n))
                     plan.adds.append((x, s * seg + lo, coefficient, ("staged", plan.staged, n)))
                     plan.staged += n
         return plan
@@ -434,8 +442,8 @@ class ParityStore(ReplicatedStore):
             for receiver, kind, index, start, n in plan.sends:
                 outgoing.setdefault(receiver, []).extend(block(kind, index, start, n))
             incoming: dict[int, list[np.ndarray]] = {}
-            for holder, at, n in plan.receives:
-                incoming.setdefault(holder, []).append(staging[at:at + n])
+            for holder, x, at, n in plan.receives:
+                incoming.setdefault(holder, []).append(staging[at:at + n] if x is None else out[x][at:at + n])
             for x, at, n in plan.zeros:
                 out[x][at:at + n] = 0
             try:
