@@ -28,6 +28,12 @@ come back bitwise. Encode = the state over the seconds the commit spends adding 
 parity (XOR, GF(2^8): the arithmetic, its traffic is the exchange phase), decode = the state over
 the fetch, both against the same job's memcpy and p2p rates.
 
+``--interleaved N``: besides, one job per size holding a store of every way over the same state,
+their commits in turn N times (the order rotating), so that the machine's drift between jobs and
+each job's own memory layout are out of the comparison: each way's commit (the slowest rank's),
+and its ratio to the first way's in the same turn: median, mean and max (the first two turns
+left out: cold).
+
 ``--rounds R``: the ways in turn, R times over (a job each), and per way the ratios of its commit and
 its memory to the first way's job of the same round (adjacent jobs: the machine's load drifts slower
 than a round): median, mean and max over the rounds.
@@ -195,6 +201,55 @@ def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     return 0
 
 
+def interleaved_worker(mb: int, ways: list[str], turns: int) -> int:
+    """Every way's store over one state, committed in turn; the slowest rank's seconds of each."""
+    import elastic
+    from elastic.recovery import ParityStore, Redundancy, ReplicatedStore
+
+    state = {"weights": np.zeros((mb << 20) // 8)}
+    world = elastic.init()
+    comm = world.mpi.comm
+    state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(state["weights"].size)
+    stores = {}
+    for way in ways:
+        kept = Redundancy.parse(way)
+        stores[way] = ParityStore(world, kept, chunk_bytes=CHUNK) if kept.parity else \
+            ReplicatedStore(world, replication=kept.copies, chunk_bytes=CHUNK)
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for turn in range(turns):
+        for way in ways[turn % len(ways):] + ways[:turn % len(ways)]:
+            comm.Barrier()
+            t = time.perf_counter()
+            stores[way].commit(state, turn + 1)
+            times[way].append(time.perf_counter() - t)
+    slowest = {way: np.max(comm.allgather(times[way]), axis=0).tolist() for way in ways}
+    if world.rank == 0:
+        Path(os.environ["ELASTIC_RUN_DIR"], "bench.json").write_text(json.dumps(slowest))
+    world.finish()
+    return 0
+
+
+def interleaved_row(n: int, mb: int, ways: list[str], turns: int) -> dict | str:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--timeout", "900", "--run-dir", tmp, "--",
+               sys.executable, __file__, "--worker", str(mb), "--redundancy", ",".join(ways),
+               "--interleaved", str(turns)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
+        bench = Path(tmp, "bench.json")
+        if not bench.exists():
+            return f"failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        times = json.loads(bench.read_text())
+    first = ways[0]
+    row: dict = {"interleaved": True, "ranks": n, "mb": mb, "turns": turns, "over": first}
+    for way in ways:
+        warm = times[way][2:]
+        ratios = [t / f for t, f in zip(warm, times[first][2:])]
+        row[way] = {"commit_s": {"median": statistics.median(warm), "mean": statistics.mean(warm), "max": max(warm)},
+                    "over_first": {"median": statistics.median(ratios), "mean": statistics.mean(ratios),
+                                   "max": max(ratios)}}
+    return row
+
+
 def _losses(kept) -> int:
     """Ranks one job loses at once: as many as a parity group survives (one for copies)."""
     return kept.m if kept.parity else 1
@@ -256,9 +311,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="the ways in turn this many times over; then each way's commit and memory over the "
                              "first way's of the same round: median, mean, max")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="N",
+                        help="also one job per size committing every way's store in turn N times: each way's "
+                             "commit over the first way's in the same turn (median, mean, max)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-rollback-copy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None and args.interleaved:
+        return interleaved_worker(args.worker, args.redundancy.split(","), args.interleaved)
     if args.worker is not None:
         return worker(args.worker, not args.no_rollback_copy, args.redundancy)
     if args.plan:
@@ -301,6 +361,8 @@ def main() -> int:
                   for _ in range(args.rounds)]  # the ways alternate within each round
         if len(ways) > 1:
             _print_ratios(rounds, ways, n, mb, args.json)
+        if len(ways) > 1 and args.interleaved > 2:
+            _print_interleaved(interleaved_row(n, mb, ways, args.interleaved), ways, args.json)
     return 0
 
 
@@ -316,6 +378,18 @@ def _print_row(r: dict | str, n: int, mb: int, way: str, keys: tuple[str, ...], 
     print(f"{'':>23}commit phases (s): " + ", ".join(
         f"{k[7:-2]} {v:.3f}" for k, v in r.items() if k.startswith("commit_") and k[7:-2] in PHASES), flush=True)
     return r
+
+
+def _print_interleaved(row: dict | str, ways: list[str], as_json: bool) -> None:
+    if isinstance(row, str) or as_json:
+        print(row if isinstance(row, str) else json.dumps(row), flush=True)
+        return
+    print(f"{'':>23}interleaved, one job, {row['turns']} turns (the first two left out): commit s and over "
+          f"{ways[0]} in the same turn, median / mean / max", flush=True)
+    for way in ways:
+        c, o = row[way]["commit_s"], row[way]["over_first"]
+        print(f"{'':>23}{way}: {c['median']:.3f} / {c['mean']:.3f} / {c['max']:.3f} s, "
+              f"{o['median']:.3f} / {o['mean']:.3f} / {o['max']:.3f}", flush=True)
 
 
 def _print_ratios(rounds: list[dict[str, dict | None]], ways: list[str], n: int, mb: int, as_json: bool) -> None:
