@@ -171,3 +171,25 @@ def test_the_one_pass_xor_of_several_blocks_is_their_xor_aligned_or_not_and_take
         fused = len(calls) > before
         assert fused == (lib is not None and shift == 0 and count > 1 and n >= _parity.ALIGN), (n, shift, count)
     assert all(_parity.aligned_empty(n).ctypes.data % _parity.ALIGN == 0 for n in (1, 1000, 1 << 20, 5 << 20))
+
+
+def test_a_decode_lands_each_segments_first_whole_term_of_weight_one_in_the_payload_and_stages_the_rest():
+    """The receiver's plan for one exchange (pure): the first term from a peer that covers the whole
+    piece with weight 1 is received into the dead member's payload (no zeroing, no staging, no
+    pass to add it); the other terms are staged and added; with no such term the piece is zeroed."""
+    from elastic.recovery._paritystore import _Piece
+    seg, me, dead = 4096, 5, 1
+    sizes = {0: 3 * seg, 1: 3 * seg, 2: 3 * seg, 3: seg}
+    xor = [(me, dead, 0, seg, [(0, "data", 0, 1, 3 * seg), (2, "data", 0, 1, 3 * seg), (3, "parity", 0, 1, seg)])]
+    plan = _Piece.of(xor, sizes, me, q=0, pieces=2)  # the first half of the segment
+    assert plan.zeros == [] and plan.receives[0] == (0, dead, 0, seg // 2)
+    assert plan.receives[1:] == [(2, None, 0, seg // 2), (3, None, seg // 2, seg // 2)] and plan.staged == seg
+    assert [a[3][0] for a in plan.adds] == ["staged", "staged"]
+    # Weights other than 1 (Reed-Solomon's) are staged and added: the piece is zeroed first.
+    rs = [(me, dead, 0, seg, [(0, "data", 0, 7, 3 * seg), (3, "parity", 0, 3, seg)])]
+    plan = _Piece.of(rs, sizes, me, q=0, pieces=2)
+    assert plan.zeros == [(dead, 0, seg // 2)] and all(r[1] is None for r in plan.receives) and len(plan.adds) == 2
+    # A term that ends inside the piece (its payload is shorter) cannot stand for the whole piece.
+    short = [(me, dead, 0, seg, [(0, "data", 0, 1, seg // 4), (3, "parity", 0, 1, seg)])]
+    plan = _Piece.of(short, {**sizes, 0: seg // 4}, me, q=0, pieces=2)
+    assert plan.zeros == [] and plan.receives[1] == (3, dead, 0, seg // 2) and plan.receives[0][1] is None
