@@ -459,6 +459,8 @@ def measure(all_ways: list[Way], args: argparse.Namespace, tmp: Path) -> list[di
     rng = random.Random(args.seed)
     clean: dict[Way, list[Run]] = {w: [] for w in all_ways}
     kills: dict[Way, dict[str, list[Run]]] = {w: {"boundary": [], "inside": []} for w in all_ways}
+    total = len(all_ways) * (args.repeat + 2 * args.kills)
+    done, began = 0, time.monotonic()
     for i in range(max(args.repeat, args.kills)):  # alternated: a slow spell spreads over every way
         for way in all_ways:
             if i < args.repeat:
@@ -466,7 +468,10 @@ def measure(all_ways: list[Way], args: argparse.Namespace, tmp: Path) -> list[di
             step_s = 1 / steps_per_s(clean[way][0], args.steps)
             for kind in ("boundary", "inside") if i < args.kills else ():
                 kills[way][kind].append(one(way, args, tmp, f"{kind}-{i}", kind, rng, step_s))
-            print(f"[bench_peers] round {i + 1}: {way.name} done", file=sys.stderr, flush=True)
+            done += (i < args.repeat) + 2 * (i < args.kills)
+            so_far = time.monotonic() - began  # on stderr: --json's stdout stays the rows
+            print(f"[bench_peers] round {i + 1}: {way.name} done, {done}/{total} runs ({so_far:.0f} s so far, about "
+                  f"{so_far / done * (total - done):.0f} s to go)", file=sys.stderr, flush=True)
     return [row(way, clean[way], kills[way], args.steps) for way in all_ways]
 
 
@@ -508,7 +513,10 @@ def print_table(table: list[dict], skipped: list[str], args: argparse.Namespace)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="time: (--repeat + 2 x --kills) runs per way, one after the other: more "
+                                            "than 15 minutes with the defaults on a loaded 2-core machine (the third "
+                                            "round's torchft rows at 15 min, stop 42); progress on stderr")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3, help="failure-free runs per way, alternated (median)")
