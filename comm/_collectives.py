@@ -62,8 +62,7 @@ def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming
     expected = [sum(a.nbytes for a in arrays) for arrays in incoming]
     recv_counts = _alltoall_counts(comm, send_counts).tolist()
     if recv_counts != expected:  # a planning bug: never slice data by a plan the sender does not share
-        raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): expected "
-                            f"{expected} bytes by rank, peers announced {recv_counts}")
+        raise _plan_differs(f"expected {expected} bytes by rank, peers announced {recv_counts}")
     send_types = [_blocks_type(arrays) for arrays in outgoing]
     recv_types = [_blocks_type(arrays) for arrays in incoming]
     try:
@@ -88,19 +87,18 @@ def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], in
     and not for every rank. What arrived is checked against what was expected, as ``exchange``
     checks the counts (``Unrecoverable`` when they differ: a planning bug). A dead peer, or a
     peer's revoke, is ``ProcessFailure`` (the caller's ``mpi_errors``). Returns the bytes sent."""
+    send_counts = [sum(a.nbytes for a in arrays) for arrays in outgoing]
+    receives = [(peer, n) for peer, n in enumerate(sum(a.nbytes for a in arrays) for arrays in incoming)
+                if n]  # (peer, bytes expected)
     types: list[MPI.Datatype] = []
-    receives: list[tuple[int, int]] = []  # (peer, bytes expected)
     requests: list[MPI.Request] = []
     try:
         in_flight()
-        for peer, arrays in enumerate(incoming):
-            expected = sum(a.nbytes for a in arrays)
-            if expected:
-                types.append(_blocks_type(arrays))
-                requests.append(comm.Irecv([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
-                receives.append((peer, expected))
+        for peer, _ in receives:
+            types.append(_blocks_type(incoming[peer]))
+            requests.append(comm.Irecv([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
         for peer, arrays in enumerate(outgoing):
-            if sum(a.nbytes for a in arrays):
+            if send_counts[peer]:
                 types.append(_blocks_type(arrays))
                 requests.append(comm.Isend([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
         statuses = [MPI.Status() for _ in requests]
@@ -112,8 +110,12 @@ def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], in
     wrong = [f"{got} bytes from rank {peer} where {expected} were expected" for peer, expected, got in arrived
              if got != expected]
     if wrong:
-        raise Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): {'; '.join(wrong)}")
-    return sum(sum(a.nbytes for a in arrays) for arrays in outgoing)
+        raise _plan_differs("; ".join(wrong))
+    return sum(send_counts)
+
+
+def _plan_differs(detail: str) -> Unrecoverable:
+    return Unrecoverable(f"transfer plan differs across ranks (a bug, please report it): {detail}")
 
 
 def allgather(comm: MPI.Intracomm, value: Any) -> list[Any]:

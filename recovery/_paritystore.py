@@ -157,15 +157,15 @@ class _Piece:
             piece = 8 * -(-seg // (8 * pieces))
             lo, hi = min(seg, q * piece), min(seg, (q + 1) * piece)
             target = max(0, min(hi - lo, sizes[x] - s * seg - lo))  # beyond the payload's end: nothing
-            counts = [min(target, max(0, size - (index * seg + lo)) if kind == "data" else hi - lo)
-                      for _, kind, index, _, size in terms]
+            starts = [index * seg + lo if kind == "data" else lo for _, kind, index, _, _ in terms]
+            counts = [min(target, max(0, size - start) if kind == "data" else hi - lo)
+                      for (_, kind, _, _, size), start in zip(terms, starts)]
             first = next((j for j, (holder, _, _, coefficient, _) in enumerate(terms)
                           if holder != me and coefficient == 1 and counts[j] == target), None)
             if receiver == me and target and first is None:
                 plan.zeros.append((x, s * seg + lo, target))
             for j, (holder, kind, index, coefficient, _) in enumerate(terms):
-                start = index * seg + lo if kind == "data" else lo
-                n = counts[j]
+                start, n = starts[j], counts[j]
                 if not n or (holder != me and receiver != me):
                     continue
                 if receiver != me:
@@ -242,7 +242,7 @@ class ParityStore(ReplicatedStore):
         pieces = self._exchanges(layout, max(everyone.values()))
         held: dict[tuple[int, int, int], Held] = {}
         parity, flat = None, np.empty(0, np.uint8)
-        if m == 0:  # alone, or a group of one: nothing to encode, but the exchanges are collective
+        if m == 0:  # alone, or a group of one: nothing to encode; its commit fault points fire as others' do
             for _ in range(pieces):
                 world.exchange({}, {}, point="commit", step=version, known=True)
             self.bytes_moved = 0
