@@ -140,7 +140,7 @@ def raw_bandwidth(world, buf: np.ndarray) -> dict[str, float]:
 def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     import elastic
     from mpi4py import MPI
-    from elastic.recovery import ParityStore, Redundancy, ReplicatedStore
+    from elastic.recovery import Redundancy
 
     nbytes = mb << 20
     base, _ = _memory()
@@ -152,8 +152,7 @@ def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
     if world.role is not elastic.Role.RECOVERED:
         state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(nbytes // 8)
     kept = Redundancy.parse(redundancy)
-    store = ParityStore(world, kept, chunk_bytes=CHUNK, rollback_copy=rollback_copy) if kept.parity else \
-        ReplicatedStore(world, replication=kept.copies, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
+    store = _store(world, kept, rollback_copy)
     killed = range(1, 1 + _losses(kept))
     out: dict[str, float] = {}
     if world.role is not elastic.Role.RECOVERED:
@@ -204,17 +203,13 @@ def worker(mb: int, rollback_copy: bool, redundancy: str) -> int:
 def interleaved_worker(mb: int, ways: list[str], turns: int) -> int:
     """Every way's store over one state, committed in turn; the slowest rank's seconds of each."""
     import elastic
-    from elastic.recovery import ParityStore, Redundancy, ReplicatedStore
+    from elastic.recovery import Redundancy
 
     state = {"weights": np.zeros((mb << 20) // 8)}
     world = elastic.init()
     comm = world.mpi.comm
     state["weights"][...] = np.random.default_rng(int(world.logical_rank)).random(state["weights"].size)
-    stores = {}
-    for way in ways:
-        kept = Redundancy.parse(way)
-        stores[way] = ParityStore(world, kept, chunk_bytes=CHUNK) if kept.parity else \
-            ReplicatedStore(world, replication=kept.copies, chunk_bytes=CHUNK)
+    stores = {way: _store(world, Redundancy.parse(way)) for way in ways}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for turn in range(turns):
         for way in ways[turn % len(ways):] + ways[:turn % len(ways)]:
@@ -231,23 +226,39 @@ def interleaved_worker(mb: int, ways: list[str], turns: int) -> int:
 
 def interleaved_row(n: int, mb: int, ways: list[str], turns: int) -> dict | str:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--timeout", "900", "--run-dir", tmp, "--",
-               sys.executable, __file__, "--worker", str(mb), "--redundancy", ",".join(ways),
-               "--interleaved", str(turns)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
-        bench = Path(tmp, "bench.json")
-        if not bench.exists():
-            return f"failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        times = json.loads(bench.read_text())
+        times = _job(tmp, n, 0, str(mb), "--redundancy", ",".join(ways), "--interleaved", str(turns))
+    if isinstance(times, str):
+        return times
     first = ways[0]
     row: dict = {"interleaved": True, "ranks": n, "mb": mb, "turns": turns, "over": first}
     for way in ways:
         warm = times[way][2:]
-        ratios = [t / f for t, f in zip(warm, times[first][2:])]
-        row[way] = {"commit_s": {"median": statistics.median(warm), "mean": statistics.mean(warm), "max": max(warm)},
-                    "over_first": {"median": statistics.median(ratios), "mean": statistics.mean(ratios),
-                                   "max": max(ratios)}}
+        row[way] = {"commit_s": _spread(warm), "over_first": _spread([t / f for t, f in zip(warm, times[first][2:])])}
     return row
+
+
+def _store(world, kept, rollback_copy: bool = True):
+    """The store that keeps the state the way ``kept`` says."""
+    from elastic.recovery import ParityStore, ReplicatedStore
+    if kept.parity:
+        return ParityStore(world, kept, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
+    return ReplicatedStore(world, replication=kept.copies, chunk_bytes=CHUNK, rollback_copy=rollback_copy)
+
+
+def _job(tmp: str, n: int, spares: int, *worker_args: str) -> dict | str:
+    """This script's worker on ``n`` ranks (and ``spares``) under the launcher, run dir ``tmp``: what its
+    rank 0 wrote, or why there is nothing."""
+    cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", str(spares), "--timeout", "900",
+           "--run-dir", tmp, "--", sys.executable, __file__, "--worker", *worker_args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
+    bench = Path(tmp, "bench.json")
+    if not bench.exists():
+        return f"failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    return json.loads(bench.read_text())
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "mean": statistics.mean(values), "max": max(values)}
 
 
 def _losses(kept) -> int:
@@ -258,15 +269,10 @@ def _losses(kept) -> int:
 def bytes_row(n: int, mb: int, rollback_copy: bool, redundancy: str = "copies:2") -> dict | str:
     from elastic.recovery import Redundancy
     with tempfile.TemporaryDirectory() as tmp:
-        spares = _losses(Redundancy.parse(redundancy))
-        cmd = [sys.executable, "-m", "elastic.launch", "-n", str(n), "--spares", str(spares), "--timeout", "900",
-               "--run-dir", tmp, "--", sys.executable, __file__, "--worker", str(mb), "--redundancy", redundancy]
-        cmd += [] if rollback_copy else ["--no-rollback-copy"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=960)
-        bench = Path(tmp, "bench.json")
-        if not bench.exists():
-            return f"failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        r = json.loads(bench.read_text())
+        r = _job(tmp, n, _losses(Redundancy.parse(redundancy)), str(mb), "--redundancy", redundancy,
+                 *([] if rollback_copy else ["--no-rollback-copy"]))
+        if isinstance(r, str):
+            return r
         phases = _phases(tmp)
         # ULFM's part: the kill seen by the survivors and the world rebuilt around it.
         rebuilt = max(e["t"] for e in read_events(tmp) if e["event"] == "rebuilt")
@@ -401,8 +407,7 @@ def _print_ratios(rounds: list[dict[str, dict | None]], ways: list[str], n: int,
         row: dict = {"ratios": True, "ranks": n, "mb": mb, "redundancy": way, "over": first}
         for key, name in (("commit_s", "commit"), ("memory_over_state", "memory")):
             ratios = [r[way][key] / r[first][key] for r in rounds if r[way] and r[first]]
-            row[name] = {"median": statistics.median(ratios), "mean": statistics.mean(ratios), "max": max(ratios),
-                         "rounds": ratios} if ratios else None
+            row[name] = {**_spread(ratios), "rounds": ratios} if ratios else None
         if as_json:
             print(json.dumps(row), flush=True)
             continue
