@@ -7,6 +7,7 @@ them votes (the callers' protocols do, where they decide something together).
 """
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -79,16 +80,17 @@ def exchange(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming
 EXCHANGE_TAG = 0x3E1A  # the known-plan exchange's messages (each pair's arrive in order: MPI does not overtake)
 
 
-def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], incoming: Sequence[list[np.ndarray]],
-                   in_flight: Callable[[], None]) -> int:
+def exchange_known(comm: MPI.Intracomm, outgoing: Mapping[int, list[np.ndarray]],
+                   incoming: Mapping[int, list[np.ndarray]], in_flight: Callable[[], None]) -> int:
     """``exchange`` where every receiver already knows what comes from whom (the same plan on
     every rank): no counts are exchanged, and only ranks that send to or receive from each other
     take part, one message per peer at the arrays' own addresses, so a rank waits for its peers
     and not for every rank. What arrived is checked against what was expected, as ``exchange``
     checks the counts (``Unrecoverable`` when they differ: a planning bug). A dead peer, or a
-    peer's revoke, is ``ProcessFailure`` (the caller's ``mpi_errors``). Returns the bytes sent."""
-    send_counts = [sum(a.nbytes for a in arrays) for arrays in outgoing]
-    receives = [(peer, n) for peer, n in enumerate(sum(a.nbytes for a in arrays) for arrays in incoming)
+    peer's revoke, is ``ProcessFailure`` (the caller's ``mpi_errors``). ``outgoing`` and ``incoming``
+    by current rank, the peers only (``by_current``): O(peers) at any job size. Returns the bytes sent."""
+    send_counts = {peer: sum(a.nbytes for a in arrays) for peer, arrays in outgoing.items()}
+    receives = [(peer, n) for peer, n in sorted((p, sum(a.nbytes for a in arrays)) for p, arrays in incoming.items())
                 if n]  # (peer, bytes expected)
     types: list[MPI.Datatype] = []
     requests: list[MPI.Request] = []
@@ -97,7 +99,7 @@ def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], in
         for peer, _ in receives:
             types.append(_blocks_type(incoming[peer]))
             requests.append(comm.Irecv([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
-        for peer, arrays in enumerate(outgoing):
+        for peer, arrays in sorted(outgoing.items()):
             if send_counts[peer]:
                 types.append(_blocks_type(arrays))
                 requests.append(comm.Isend([MPI.BOTTOM, 1, types[-1]], peer, EXCHANGE_TAG))
@@ -111,7 +113,7 @@ def exchange_known(comm: MPI.Intracomm, outgoing: Sequence[list[np.ndarray]], in
              if got != expected]
     if wrong:
         raise _plan_differs("; ".join(wrong))
-    return sum(send_counts)
+    return sum(send_counts.values())
 
 
 def _plan_differs(detail: str) -> Unrecoverable:
@@ -183,6 +185,17 @@ def allreduce_sum(comm: MPI.Intracomm, arrays: Sequence[np.ndarray], in_flight: 
     requests = [comm.Iallreduce(MPI.IN_PLACE, a, op=MPI.SUM) for a in arrays]
     in_flight()
     MPI.Request.Waitall(requests)
+
+
+def by_current(values: Mapping[int, list[np.ndarray]], order: Sequence[int]) -> dict[int, list[np.ndarray]]:
+    """``values`` keyed by logical rank, keyed by current rank instead (``order``: the active logical
+    ranks ascending, which is current-rank order), those in ``order`` only: O(len(values) log n)."""
+    out = {}
+    for logical, arrays in values.items():
+        at = bisect.bisect_left(order, logical)
+        if at < len(order) and order[at] == logical:
+            out[at] = arrays
+    return out
 
 
 def by_rank(values: Mapping[int, list[np.ndarray]], order: Sequence[int]) -> list[list[np.ndarray]]:

@@ -182,11 +182,14 @@ class World:
         about to start. ``known``: every receiver knows what comes (one plan on every rank): only the
         ranks that exchange bytes wait for each other (``_collectives.exchange_known``). Returns the
         bytes sent."""
-        order = [int(r) for r in self.logical_ranks]
-        move = _collectives.exchange_known if known else _collectives.exchange
+        order = self.logical_ranks
         with self._guard():
-            return move(self._comm, _collectives.by_rank(outgoing, order), _collectives.by_rank(incoming, order),
-                        lambda: self.fault_point(step, point))
+            if known:  # the peers only, by current rank: O(peers) at any job size
+                return _collectives.exchange_known(self._comm, _collectives.by_current(outgoing, order),
+                                                   _collectives.by_current(incoming, order),
+                                                   lambda: self.fault_point(step, point))
+            return _collectives.exchange(self._comm, _collectives.by_rank(outgoing, order),
+                                         _collectives.by_rank(incoming, order), lambda: self.fault_point(step, point))
 
     def neighbors(self, sends: list[tuple[int, int, np.ndarray]], receives: list[tuple[int, int, np.ndarray]],
                   step: int | None = None) -> None:
